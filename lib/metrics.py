@@ -1,0 +1,219 @@
+"""Metrics shared by the notebooks: generation, toxicity, perplexity, F1, attention entropy, AP.
+
+Every function takes plain Python / torch inputs and returns plain numbers or arrays, so a
+notebook can show the computation next to the result.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from lib.hooks import batches
+from lib.models import Loaded
+
+SCORERS = ("auto", "profanity-check", "detoxify")
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+@dataclass
+class Generations:
+    prompts: list[str]  # the prompts as the model saw them (after truncation)
+    continuations: list[str]  # new text only, prompt removed
+    prompt_ids: list[list[int]]
+    new_ids: list[list[int]]
+
+    @property
+    def full_texts(self) -> list[str]:
+        return [p + c for p, c in zip(self.prompts, self.continuations)]
+
+
+def _check_positive(**kw):
+    for k, v in kw.items():
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{k} must be a positive integer, got {v!r}")
+
+
+@torch.inference_mode()
+def generate(loaded: Loaded, prompts: Sequence[str], max_new_tokens: int = 20, batch_size: int = 16,
+             max_prompt_tokens: int | None = 32, progress: bool = True, desc: str = "generating") -> Generations:
+    """Greedy continuations, batched with left padding and the KV cache.
+
+    Prompts are truncated to their first ``max_prompt_tokens`` tokens; batches are formed from
+    prompts of similar length (results come back in the input order).
+    """
+    _check_positive(max_new_tokens=max_new_tokens, batch_size=batch_size)
+    if max_prompt_tokens is not None:
+        _check_positive(max_prompt_tokens=max_prompt_tokens)
+    if not loaded.info.is_causal:
+        raise ValueError(f"{loaded.name} is an encoder; generation needs a decoder model")
+    tok, model = loaded.tokenizer, loaded.model
+    ids = [tok(p, add_special_tokens=True)["input_ids"][:max_prompt_tokens] for p in prompts]
+    if any(len(i) == 0 for i in ids):
+        raise ValueError("an empty prompt has no tokens to continue")
+    order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))
+    new: dict[int, list[int]] = {}
+    pad = tok.pad_token_id
+    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    n = (len(order) + batch_size - 1) // batch_size
+    for chunk in tqdm(batches(order, batch_size), total=n, desc=desc, disable=not progress):
+        width = max(len(ids[i]) for i in chunk)
+        input_ids = torch.tensor([[pad] * (width - len(ids[i])) + ids[i] for i in chunk], device=model.device)
+        attn = torch.tensor([[0] * (width - len(ids[i])) + [1] * len(ids[i]) for i in chunk], device=model.device)
+        out = model.generate(input_ids=input_ids, attention_mask=attn, max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=pad, temperature=None, top_p=None, top_k=None)
+        for row, i in zip(out[:, width:].tolist(), chunk):
+            cut = next((j for j, t in enumerate(row) if t in eos), len(row))
+            new[i] = row[:cut]
+    prompt_texts = [tok.decode(i, skip_special_tokens=True) for i in ids]
+    new_ids = [new[i] for i in range(len(ids))]
+    return Generations(prompt_texts, [tok.decode(t, skip_special_tokens=True) for t in new_ids], ids, new_ids)
+
+
+# ----------------------------------------------------------------------------- toxicity
+
+
+def _detoxify_checkpoint() -> Path | None:
+    try:
+        import detoxify  # noqa: F401
+    except ImportError:
+        return None
+    hits = sorted((Path(torch.hub.get_dir()) / "checkpoints").glob("toxic_original-*.ckpt"))
+    return hits[0] if hits else None
+
+
+def resolve_scorer(scorer: str = "auto") -> str:
+    """'auto': Detoxify 'original' when installed with its checkpoint, else 'profanity-check'."""
+    if scorer not in SCORERS:
+        raise ValueError(f"unknown toxicity scorer {scorer!r}: use one of {', '.join(SCORERS)}")
+    if scorer == "auto":
+        return "detoxify" if _detoxify_checkpoint() is not None else "profanity-check"
+    if scorer == "detoxify" and _detoxify_checkpoint() is None:
+        raise ValueError("scorer 'detoxify' needs `pip install detoxify` and its 'original' checkpoint in the "
+                         "torch hub cache (downloaded on first use with network); use 'profanity-check' offline")
+    return scorer
+
+
+def toxicity(texts: Sequence[str], scorer: str = "auto", batch_size: int = 64) -> tuple[np.ndarray, str]:
+    """Probability that each text is toxic, in [0, 1], and the scorer's name (record it with results)."""
+    name = resolve_scorer(scorer)
+    texts = [t if t.strip() else " " for t in texts]
+    if not texts:
+        return np.zeros(0), name
+    if name == "profanity-check":
+        from profanity_check import predict_prob
+
+        return np.asarray(predict_prob(list(texts)), dtype=float), name
+    from detoxify import Detoxify
+
+    model = Detoxify("original", device="cpu")
+    scores = [np.asarray(model.predict(list(chunk))["toxicity"]) for chunk in batches(list(texts), batch_size)]
+    return np.concatenate(scores).astype(float), name
+
+
+# ----------------------------------------------------------------------------- perplexity and F1
+
+
+@torch.inference_mode()
+def perplexity(loaded: Loaded, texts: Sequence[str], window: int = 256, stride: int = 128,
+               separator: str = "\n\n", progress: bool = True) -> float:
+    """Sliding-window perplexity of the joined ``texts`` (each token scored once, with up to
+    ``window - stride`` tokens of context carried over), as in the Hugging Face recipe."""
+    _check_positive(window=window, stride=stride)
+    if stride > window:
+        raise ValueError(f"stride ({stride}) must not exceed window ({window})")
+    tok, model = loaded.tokenizer, loaded.model
+    ids = torch.tensor(tok(separator.join(texts))["input_ids"], device=model.device)
+    nll, count, prev_end = 0.0, 0, 0
+    starts = list(range(0, max(len(ids) - 1, 1), stride))
+    for begin in tqdm(starts, desc="perplexity", disable=not progress):
+        end = min(begin + window, len(ids))
+        target_len = end - prev_end  # tokens not scored yet
+        inp = ids[begin:end].unsqueeze(0)
+        labels = inp.clone()
+        labels[:, :-target_len] = -100
+        out = model(input_ids=inp, labels=labels)
+        n_scored = int((labels[:, 1:] != -100).sum())
+        nll += float(out.loss) * n_scored
+        count += n_scored
+        prev_end = end
+        if end == len(ids):
+            break
+    return math.exp(nll / max(count, 1))
+
+
+def wikitext2_texts(split: str = "test") -> list[str]:
+    """WikiText-2 (raw) through ``datasets``, for users with network; these machines use wiki_samples."""
+    from datasets import load_dataset
+
+    return [t for t in load_dataset("wikitext", "wikitext-2-raw-v1", split=split)["text"] if t.strip()]
+
+
+def f1_bag_of_tokens(generated: Sequence[int] | str, gold: Sequence[int] | str) -> float:
+    """F1 of the multiset overlap between generated and gold tokens (Lee et al. 2024)."""
+    g = Counter(generated.split() if isinstance(generated, str) else generated)
+    r = Counter(gold.split() if isinstance(gold, str) else gold)
+    overlap = sum((g & r).values())
+    if overlap == 0:
+        return 0.0
+    p, rc = overlap / sum(g.values()), overlap / sum(r.values())
+    return 2 * p * rc / (p + rc)
+
+
+def mean_f1(loaded: Loaded, generations: Generations, golds: Sequence[str]) -> float:
+    """Mean token-level F1 of continuations against gold texts, tokenised with the model's tokenizer."""
+    tok = loaded.tokenizer
+    scores = [f1_bag_of_tokens(new, tok(g, add_special_tokens=False)["input_ids"])
+              for new, g in zip(generations.new_ids, golds)]
+    return float(np.mean(scores)) if scores else float("nan")
+
+
+# ----------------------------------------------------------------------------- attention entropy
+
+
+def attention_entropy(probs: torch.Tensor, valid: torch.Tensor | None = None,
+                      query_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entropy of attention rows, averaged over valid queries: (raw, normalised), each [batch, heads].
+
+    probs [batch, heads, q, k]; valid bool [batch, 1 or heads, q, k] (True = key may be attended);
+    query_mask [batch, q] (True = real query token). Raw entropy is -sum p log p (natural log);
+    normalised divides by log(number of valid keys), and skips queries with one valid key.
+    """
+    p = probs.float()
+    b, h, q, k = p.shape
+    v = torch.ones(b, 1, q, k, dtype=torch.bool, device=p.device) if valid is None else valid.to(p.device)
+    ent = -(p * torch.log(p.clamp_min(1e-30))).masked_fill(~v, 0).sum(-1)  # [b, h, q]
+    n_keys = v.sum(-1).float()  # [b, 1|h, q]
+    qm = torch.ones(b, q, dtype=torch.bool, device=p.device) if query_mask is None else query_mask.bool().to(p.device)
+    qm = qm[:, None, :] & (n_keys > 0)  # [b, 1|h, q]
+    qn = qm & (n_keys > 1)
+    raw = (ent * qm).sum(-1) / qm.sum(-1).clamp_min(1)
+    norm = (ent / torch.log(n_keys.clamp_min(2)) * qn).sum(-1) / qn.sum(-1).clamp_min(1)
+    return raw, norm
+
+
+# ----------------------------------------------------------------------------- average precision
+
+
+def average_precision(scores: np.ndarray | torch.Tensor, labels: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Average precision of each column of ``scores`` [n_examples, n_units] as a detector of
+    ``labels`` (1 = positive), with scikit-learn. Returns [n_units]."""
+    from sklearn.metrics import average_precision_score
+
+    s = scores.detach().cpu().numpy() if isinstance(scores, torch.Tensor) else np.asarray(scores)
+    y = np.asarray(labels).astype(int)
+    if s.ndim == 1:
+        s = s[:, None]
+    if s.shape[0] != y.shape[0]:
+        raise ValueError(f"scores has {s.shape[0]} rows but labels has {y.shape[0]}")
+    if y.min() == y.max():
+        raise ValueError("labels must contain both positives and negatives")
+    return np.asarray(average_precision_score(np.repeat(y[:, None], s.shape[1], axis=1), s, average=None))

@@ -1,0 +1,33 @@
+"""Every path of the compendium, derived from the project root (never the working directory)."""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository root
+DATA = ROOT / "data"
+NOTEBOOKS = ROOT / "notebooks"
+FIGURES = ROOT / "figures"
+RESULTS = ROOT / "results"
+PARAMS = ROOT / "params"
+# Expensive artifacts (converted models, probes, DPO checkpoints, activation statistics).
+CACHE = Path(os.environ.get("COMPENDIUM_CACHE", ROOT / ".cache")).resolve()
+
+
+def slug(name: str) -> str:
+    """A file-system-safe name for a model id or path: 'meta-llama/Llama-3.1-8B' -> 'meta-llama--Llama-3.1-8B'."""
+    s = re.sub(r"[^A-Za-z0-9._-]+", "--", str(name).strip().rstrip("/"))
+    return s.strip("-") or "model"
+
+
+def figures_dir(model_name: str) -> Path:
+    d = FIGURES / slug(model_name)
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def results_dir(model_name: str) -> Path:
+    d = RESULTS / slug(model_name)
+    d.mkdir(parents=True, exist_ok=True)
+    return d

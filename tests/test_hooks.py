@@ -1,0 +1,179 @@
+"""Hooks checked against hand computation on tiny random models of all five families."""
+import pytest
+import torch
+
+from lib import hooks
+
+
+def _enc(loaded, texts):
+    return hooks.encode(loaded, texts)
+
+
+def _full_activations(loaded, enc, layer):
+    """The slow, obvious way: keep the whole [batch, pos, d_mlp] input of W_out."""
+    seen = {}
+    h = loaded.mlp_out_module(layer).register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[0].detach()))
+    try:
+        with torch.no_grad():
+            out = loaded.model(**enc)
+    finally:
+        h.remove()
+    return seen["x"], out
+
+
+def _out(loaded, enc):
+    with torch.no_grad():
+        return loaded.model(**enc)[0]
+
+
+def test_position_mask_left_and_right_padding():
+    am = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
+    torch.testing.assert_close(hooks.position_mask(am, "last_k", k=2),
+                               torch.tensor([[0, 0, 0, 1, 1], [0, 0, 0, 1, 1], [1, 1, 0, 0, 0]]).float())
+    torch.testing.assert_close(hooks.position_mask(am, "from", start=[1, 3, 1]),
+                               torch.tensor([[0, 0, 0, 1, 1], [0, 0, 0, 1, 1], [0, 1, 0, 0, 0]]).float())
+    with pytest.raises(ValueError, match="positions"):
+        hooks.position_mask(am, "middle")
+    with pytest.raises(ValueError, match="k > 0"):
+        hooks.position_mask(am, "last_k", k=0)
+
+
+@pytest.mark.parametrize("mode,k", [("all", None), ("last_k", 3)])
+def test_streamed_means_equal_full_tensor_means(tiny, texts, mode, k):
+    stats = hooks.mlp_activation_stats(tiny, texts, positions=mode, k=k, batch_size=3, pooled=True, progress=False)
+    enc = _enc(tiny, texts)
+    mask = hooks.position_mask(enc["attention_mask"], mode, k)
+    for L in range(tiny.info.n_layers):
+        x, _ = _full_activations(tiny, enc, L)  # [batch, pos, d_mlp]
+        full = (x * mask[..., None]).sum((0, 1)) / mask.sum()
+        torch.testing.assert_close(stats.mean[L], full.cpu(), atol=1e-5, rtol=1e-4)
+        per_seq = (x * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+        torch.testing.assert_close(stats.pooled[:, L], per_seq.cpu(), atol=1e-5, rtol=1e-4)
+    assert stats.count[0] == mask.sum()
+
+
+def test_setting_a_neuron_to_its_observed_activation_changes_nothing(tiny):
+    enc = _enc(tiny, ["the same text"])
+    x, out = _full_activations(tiny, enc, 1)
+    ref = out[0]
+    neuron = 5
+    # 'set' writes one value at all positions: use a one-token input so the observed value is unique
+    enc1 = _enc(tiny, ["the"])
+    x1, out1 = _full_activations(tiny, enc1, 1)
+    vals = x1[0, :, neuron]
+    with hooks.intervene(tiny, [(1, neuron, "set", float(v)) for v in vals[-1:]], positions="last"):
+        torch.testing.assert_close(_out(tiny, enc1), out1[0])
+    with hooks.intervene(tiny, [(1, neuron, "scale", 1.0), (0, 3, "add", 0.0)]):
+        torch.testing.assert_close(_out(tiny, enc), ref)
+
+
+def test_zeroing_a_neuron_equals_zeroing_its_value_vector(tiny):
+    enc = _enc(tiny, ["zero this neuron please"])
+    layer, neuron = 1, 7
+    with hooks.intervene(tiny, [{"layer": layer, "neuron": neuron, "mode": "zero"}]):
+        hooked = _out(tiny, enc)
+    W = tiny.mlp_out_module(layer).weight
+    saved = W.detach().clone()
+    with torch.no_grad():
+        if tiny.info.family == "gpt2":
+            W[neuron] = 0  # Conv1D: [d_mlp, d_model]
+        else:
+            W[:, neuron] = 0  # Linear: [d_model, d_mlp]
+    try:
+        edited = _out(tiny, enc)
+    finally:
+        with torch.no_grad():
+            W.copy_(saved)
+    torch.testing.assert_close(hooked, edited)
+    assert not torch.allclose(hooked, _out(tiny, enc))
+
+
+def test_value_vectors_match_weights(tiny):
+    vv = hooks.value_vectors(tiny)
+    assert vv.shape == (tiny.info.n_layers, tiny.info.d_mlp, tiny.info.d_model)
+    # the MLP output is activations @ value vectors (+ bias)
+    enc = _enc(tiny, ["check the value vectors"])
+    seen = {}
+    mod = tiny.mlp_out_module(0)
+    h = mod.register_forward_hook(lambda m, a, o: seen.update(x=a[0].detach(), y=o.detach()))
+    with torch.no_grad():
+        tiny.model(**enc)
+    h.remove()
+    bias = mod.bias if getattr(mod, "bias", None) is not None else 0
+    torch.testing.assert_close(seen["x"] @ vv[0] + bias, seen["y"], atol=1e-5, rtol=1e-4)
+    cos = hooks.cosine_with(vv[0], vv[0][3])
+    assert cos.shape == (tiny.info.d_mlp,) and abs(float(cos[3]) - 1) < 1e-5
+
+
+def test_hooks_are_gone_after_exit_even_on_error(tiny):
+    mod = tiny.mlp_out_module(0)
+    before = len(mod._forward_pre_hooks)
+    with pytest.raises(RuntimeError):
+        with hooks.intervene(tiny, [(0, 1, "zero", 0)]):
+            assert len(mod._forward_pre_hooks) == before + 1
+            raise RuntimeError("boom")
+    assert len(mod._forward_pre_hooks) == before
+    with hooks.MLPRecorder(tiny):
+        pass
+    assert len(mod._forward_pre_hooks) == before
+
+
+def test_bad_interventions_fail_early(tiny):
+    for table, match in [([(99, 0, "zero", 0)], "layer"), ([(0, 10_000, "zero", 0)], "neuron"),
+                         ([(0, 0, "double", 0)], "mode")]:
+        with pytest.raises(ValueError, match=match):
+            with hooks.intervene(tiny, table):
+                pass
+
+
+def test_intervention_is_active_during_cached_generation(tiny_decoder):
+    tok = tiny_decoder.tokenizer
+    enc = tok(["a short prompt"], return_tensors="pt").to(tiny_decoder.model.device)
+    gen = lambda: tiny_decoder.model.generate(**enc, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+    with torch.no_grad():
+        plain = gen()
+        table = [(L, n, "add", 50.0) for L in range(2) for n in range(64)]
+        with hooks.intervene(tiny_decoder, table, positions="last"):
+            edited = gen()
+        again = gen()
+    assert torch.equal(plain, again)
+    assert not torch.equal(plain[:, enc["input_ids"].shape[1]:], edited[:, enc["input_ids"].shape[1]:])
+
+
+def test_residual_means(tiny, texts):
+    r = hooks.residual_means(tiny, texts, layer=-1, batch_size=2, progress=False)
+    assert r.shape == (len(texts), tiny.info.d_model) and torch.isfinite(r).all()
+    with pytest.raises(ValueError, match="layer"):
+        hooks.residual_means(tiny, texts, layer=17)
+
+
+def test_compendium_attention_equals_eager_and_captures(tiny, texts):
+    enc = _enc(tiny, texts)
+    tiny.model.set_attn_implementation("eager")
+    ref = _out(tiny, enc)
+    rec = hooks.AttentionRecorder()
+    with hooks.attention(tiny, capture=rec):
+        got = _out(tiny, enc)
+    assert tiny.model.config._attn_implementation == "eager"
+    m = enc["attention_mask"].bool()
+    torch.testing.assert_close(got[m], ref[m], atol=1e-5, rtol=1e-4)
+    assert sorted(rec.patterns) == list(range(tiny.info.n_layers))
+    p = rec.patterns[1]
+    assert p.shape[:2] == (len(texts), tiny.info.n_heads)
+    real_q = m[:, None, :].expand(p.shape[:3]).cpu()
+    torch.testing.assert_close(p.sum(-1)[real_q], torch.ones(int(real_q.sum())))
+    if tiny.info.is_causal:  # no attention to later positions
+        upper = torch.triu(torch.ones(p.shape[-2:], dtype=torch.bool), diagonal=1)
+        assert float((p * upper)[real_q].abs().max()) == 0
+
+
+def test_identity_refinement_changes_nothing(tiny, texts):
+    enc = _enc(tiny, texts)
+    with hooks.attention(tiny):
+        ref = _out(tiny, enc)
+    with hooks.attention(tiny, refine=lambda s, valid, module: s):
+        got = _out(tiny, enc)
+    torch.testing.assert_close(got, ref)
+    with hooks.attention(tiny, refine=lambda s, valid, module: s * 0.0, layers=[0]):
+        flat = _out(tiny, enc)
+    assert not torch.allclose(flat, ref)

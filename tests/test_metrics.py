@@ -1,0 +1,92 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from lib import hooks, metrics
+
+
+def test_uniform_attention_has_maximal_entropy():
+    b, h, n = 2, 3, 5
+    probs = torch.full((b, h, n, n), 1 / n)
+    raw, norm = metrics.attention_entropy(probs)
+    torch.testing.assert_close(raw, torch.full((b, h), math.log(n)))
+    torch.testing.assert_close(norm, torch.ones(b, h))
+    onehot = torch.eye(n).expand(b, h, n, n)
+    raw, norm = metrics.attention_entropy(onehot)
+    assert float(raw.abs().max()) < 1e-6 and float(norm.abs().max()) < 1e-6
+
+
+def test_entropy_respects_causal_mask_and_padding():
+    n = 4
+    valid = torch.tril(torch.ones(n, n, dtype=torch.bool))[None, None]
+    probs = valid.float() / valid.float().sum(-1, keepdim=True)  # uniform over the allowed keys
+    raw, norm = metrics.attention_entropy(probs, valid)
+    expected = np.mean([math.log(k) for k in range(1, n + 1)])
+    assert abs(float(raw) - expected) < 1e-6
+    assert abs(float(norm) - 1.0) < 1e-6  # the first query (one key) is skipped in the normalised mean
+    raw2, _ = metrics.attention_entropy(probs, valid, query_mask=torch.tensor([[0, 1, 1, 1]]))
+    assert abs(float(raw2) - np.mean([math.log(k) for k in range(2, n + 1)])) < 1e-6
+
+
+def test_average_precision_of_a_planted_neuron_is_one():
+    rng = np.random.default_rng(0)
+    y = np.array([1] * 20 + [0] * 30)
+    scores = rng.normal(size=(50, 4))
+    scores[:, 2] = y * 5 + rng.uniform(0, 1, 50)  # separates the classes perfectly
+    ap = metrics.average_precision(scores, y)
+    assert ap.shape == (4,) and ap[2] == 1.0 and (ap[[0, 1, 3]] < 1).all()
+    with pytest.raises(ValueError, match="both"):
+        metrics.average_precision(scores, np.ones(50))
+
+
+def test_f1_bag_of_tokens():
+    assert metrics.f1_bag_of_tokens([1, 2, 3], [1, 2, 3]) == 1.0
+    assert metrics.f1_bag_of_tokens([1, 1, 2], [1, 3]) == pytest.approx(2 * (1 / 3) * (1 / 2) / (1 / 3 + 1 / 2))
+    assert metrics.f1_bag_of_tokens([], [1]) == 0.0
+
+
+def test_toxicity_scores_are_probabilities():
+    scores, name = metrics.toxicity(["have a lovely day", "you are a fucking idiot", ""])
+    assert name in ("profanity-check", "detoxify")
+    assert scores.shape == (3,) and ((0 <= scores) & (scores <= 1)).all()
+    assert scores[1] > scores[0]
+    with pytest.raises(ValueError, match="scorer"):
+        metrics.toxicity(["x"], scorer="perspective")
+
+
+def test_batched_generation_equals_one_by_one(tiny_decoder):
+    prompts = ["the cat", "a much longer prompt with several words in it", "hello"]
+    batched = metrics.generate(tiny_decoder, prompts, max_new_tokens=5, batch_size=3, progress=False)
+    single = [metrics.generate(tiny_decoder, [p], max_new_tokens=5, batch_size=1, progress=False) for p in prompts]
+    assert batched.new_ids == [s.new_ids[0] for s in single]
+    assert all(len(ids) <= 5 for ids in batched.new_ids)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        metrics.generate(tiny_decoder, prompts, max_new_tokens=0)
+
+
+def test_generation_truncates_prompts(tiny_decoder):
+    g = metrics.generate(tiny_decoder, ["one two three four five six seven"], max_new_tokens=2,
+                         max_prompt_tokens=3, progress=False)
+    assert len(g.prompt_ids[0]) == 3
+
+
+def test_perplexity_single_window_equals_exp_loss(tiny_decoder):
+    text = "the quick brown fox jumps over the lazy dog"
+    ppl = metrics.perplexity(tiny_decoder, [text], window=64, stride=64, progress=False)
+    ids = torch.tensor([tiny_decoder.tokenizer(text)["input_ids"]])
+    with torch.no_grad():
+        loss = tiny_decoder.model(input_ids=ids, labels=ids).loss
+    assert ppl == pytest.approx(math.exp(float(loss)), rel=1e-5)
+    # strided windows score every token once; with full context they agree closely
+    ppl2 = metrics.perplexity(tiny_decoder, [text], window=8, stride=4, progress=False)
+    assert ppl2 > 1 and math.isfinite(ppl2)
+    with pytest.raises(ValueError, match="stride"):
+        metrics.perplexity(tiny_decoder, [text], window=4, stride=8)
+
+
+def test_generation_refuses_encoders():
+    from lib import models
+    with pytest.raises(ValueError, match="encoder"):
+        metrics.generate(models.tiny_random("bert"), ["x"])

@@ -24,21 +24,23 @@ def device(request):
     return models.resolve_device(request.config.getoption("--device"))
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def tiny(request, device):
-    """A tiny random model of each family (GPT-2, Llama, Gemma-2, Mistral, BERT)."""
-    loaded = models.tiny_random(request.param)
+def _tiny_on(family, device):
+    loaded = models.tiny_random(family)
     loaded.model.to(device)
     loaded.device = device
     return loaded
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def tiny(request, device):
+    """A tiny random model of each family (GPT-2, Llama, Gemma-2, Mistral, BERT)."""
+    return _tiny_on(request.param, device)
 
 
 @pytest.fixture(scope="module", params=DECODERS)
 def tiny_decoder(request, device):
-    loaded = models.tiny_random(request.param)
-    loaded.model.to(device)
-    loaded.device = device
-    return loaded
+    """A tiny random decoder of each family."""
+    return _tiny_on(request.param, device)
 
 
 @pytest.fixture

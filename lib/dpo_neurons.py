@@ -1,0 +1,252 @@
+"""Neuron-level comparison of a base model with a fine-tuned copy (e.g. after DPO) along a direction.
+
+Definitions follow "How Does DPO Reduce Toxicity? A Mechanistic Neuron-Level Analysis" (EMNLP 2025);
+nothing here is specific to toxicity or to one model family.
+
+* Activation m_i: the input of the MLP output projection (:mod:`lib.hooks`), averaged over the last
+  ``k`` positions of prompt + the model's own greedy continuation (:func:`generation_stats`,
+  cached for a base/fine-tuned pair by :func:`pair_stats`).
+* Value vector v_i = row i of W_out; cos_i = cosine(v_i, w) (:func:`neuron_cosines`).
+* proj_i = mean(m_i) * (v_i . w / |w|), each model with its own value vectors
+  (:func:`neuron_projections`); Delta_i = proj_i(base) - proj_i(tuned) (:func:`projection_deltas`),
+  > 0 means the neuron writes less along w after fine-tuning.
+* Groups (:func:`neuron_groups`): TP (cos > 0, mean base activation > 0), TN (cos > 0, < 0),
+  AP (cos < 0, > 0), AN (cos < 0, < 0); :func:`group_shares` splits the positive Delta among them.
+* Interventions as :func:`lib.hooks.intervene` tables: :func:`patch_table` (set neurons to the
+  tuned model's mean activation) and :func:`editing_table` (scale groups chosen on the base model).
+
+Neuron-indexed tensors are [n_layers, d_mlp]; neuron lists are [(layer, neuron), ...].
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from lib import cache, hooks, metrics
+from lib.models import Loaded
+
+GROUPS = ("TP", "TN", "AP", "AN")
+# Editing keeps, within each group, the fraction beta of neurons with the highest or lowest |cos|.
+EDIT_KEEP = {"TP": "highest", "AN": "highest", "AP": "lowest", "TN": "lowest"}
+# Editing scales TP and AN by (1 - alpha) and AP and TN by (1 + alpha).
+EDIT_SIGN = {"TP": -1.0, "AN": -1.0, "AP": 1.0, "TN": 1.0}
+
+
+# ----------------------------------------------------------------------------- activation statistics
+
+
+def generation_stats(lm: Loaded, prompts: Sequence[str], max_new_tokens: int = 20, k: int = 20,
+                     batch_size: int = 16, max_prompt_tokens: int = 32, progress: bool = True,
+                     desc: str | None = None) -> tuple[hooks.NeuronStats, metrics.Generations]:
+    """The model continues each prompt greedily (its own generation); then the per-neuron mean
+    activation over the last ``k`` tokens of prompt + continuation. Returns (stats, generations);
+    ``stats.mean`` is [n_layers, d_mlp]."""
+    gen = metrics.generate(lm, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                           max_prompt_tokens=max_prompt_tokens, progress=progress,
+                           desc=f"{desc or lm.name}: generating")
+    # no truncation: it would cut the end of the text, where the counted positions are
+    stats = hooks.mlp_activation_stats(lm, gen.full_texts, positions="last_k", k=k, batch_size=batch_size,
+                                       max_length=None, progress=progress, desc=f"{desc or lm.name}: activations")
+    return stats, gen
+
+
+def pair_stats(model_name: str, base: Loaded, tuned: Loaded, tuned_params: dict, prompts: Sequence[str],
+               max_new_tokens: int = 20, k: int = 20, batch_size: int = 16, max_prompt_tokens: int = 32,
+               progress: bool = True) -> dict:
+    """:func:`generation_stats` of a base model and its fine-tuned copy on the same prompts, each
+    on its own generations, cached under ``model_name`` + ``tuned_params`` (what identifies the
+    fine-tuned model, e.g. the DPO sizes and seed) + the statistics' parameters.
+
+    Returns {"base": [n_layers, d_mlp], "tuned": [n_layers, d_mlp], "base_continuations",
+    "tuned_continuations", "prompts", "count"} (means on the CPU, float32)."""
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("pair_stats needs at least one prompt")
+    params = {"tuned": dict(sorted(tuned_params.items())), "prompts": prompts, "max_new_tokens": max_new_tokens,
+              "k": k, "max_prompt_tokens": max_prompt_tokens, "positions": "last_k", "own_generations": True}
+
+    def build():
+        sb, gb = generation_stats(lm=base, prompts=prompts, max_new_tokens=max_new_tokens, k=k,
+                                  batch_size=batch_size, max_prompt_tokens=max_prompt_tokens,
+                                  progress=progress, desc="base")
+        st, gt = generation_stats(lm=tuned, prompts=prompts, max_new_tokens=max_new_tokens, k=k,
+                                  batch_size=batch_size, max_prompt_tokens=max_prompt_tokens,
+                                  progress=progress, desc="tuned")
+        return {"base": sb.mean, "tuned": st.mean, "base_continuations": gb.continuations,
+                "tuned_continuations": gt.continuations, "prompts": gb.prompts,
+                "count": {"base": int(sb.count[0]), "tuned": int(st.count[0])}}
+
+    return cache.get_or_build("neuron-stats", model_name, params, build)
+
+
+# ----------------------------------------------------------------------------- projections and groups
+
+
+def _unit(direction: torch.Tensor) -> torch.Tensor:
+    d = direction.detach().float().cpu().flatten()  # [d_model]
+    n = d.norm()
+    if not torch.isfinite(n) or n == 0:
+        raise ValueError("the direction must be a finite, non-zero vector")
+    return d / n
+
+
+def _vv(lm_or_vectors) -> torch.Tensor:
+    """[n_layers, d_mlp, d_model] value vectors of a model (or the tensor itself), float32 on the CPU."""
+    vv = lm_or_vectors if isinstance(lm_or_vectors, torch.Tensor) else hooks.value_vectors(lm_or_vectors)
+    return vv.detach().float().cpu()
+
+
+def neuron_cosines(lm_or_vectors, direction: torch.Tensor) -> torch.Tensor:
+    """cos_i = cosine(v_i, w): [n_layers, d_mlp]."""
+    return hooks.cosine_with(_vv(lm_or_vectors), _unit(direction))
+
+
+def neuron_projections(lm_or_vectors, means: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
+    """proj_i = mean(m_i) * (v_i . w / |w|): [n_layers, d_mlp], what neuron i writes along w on average."""
+    vv = _vv(lm_or_vectors)  # [n_layers, d_mlp, d_model]
+    means = means.detach().float().cpu()
+    if means.shape != vv.shape[:2]:
+        raise ValueError(f"means has shape {list(means.shape)}, the model's neurons are {list(vv.shape[:2])}")
+    return means * (vv @ _unit(direction))  # [n_layers, d_mlp]
+
+
+def projection_deltas(base, tuned, base_means: torch.Tensor, tuned_means: torch.Tensor,
+                      direction: torch.Tensor) -> torch.Tensor:
+    """Delta_i = proj_i(base) - proj_i(tuned), each with its own value vectors: [n_layers, d_mlp]."""
+    return neuron_projections(base, base_means, direction) - neuron_projections(tuned, tuned_means, direction)
+
+
+def neuron_groups(cos: torch.Tensor, base_means: torch.Tensor, mask: torch.Tensor | None = None) -> np.ndarray:
+    """Group label of every neuron: 'TP', 'TN', 'AP', 'AN' from the signs of cos and of the mean
+    base activation, '' where either is exactly 0 or ``mask`` (e.g. Delta > 0) is False.
+    Returns a string array [n_layers, d_mlp]."""
+    c = cos.detach().cpu().numpy()
+    m = base_means.detach().float().cpu().numpy()
+    if c.shape != m.shape:
+        raise ValueError(f"cos {c.shape} and base_means {m.shape} must have the same shape")
+    out = np.full(c.shape, "", dtype="<U2")
+    out[(c > 0) & (m > 0)] = "TP"
+    out[(c > 0) & (m < 0)] = "TN"
+    out[(c < 0) & (m > 0)] = "AP"
+    out[(c < 0) & (m < 0)] = "AN"
+    if mask is not None:
+        out[~np.asarray(mask.detach().cpu().numpy(), dtype=bool)] = ""
+    return out
+
+
+def group_shares(delta: torch.Tensor, cos: torch.Tensor, base_means: torch.Tensor) -> pd.DataFrame:
+    """Among neurons with Delta > 0: count, sum of Delta and share (sum / all positive Delta) per group.
+    One row per group in GROUPS order; shares sum to 1 (neurons with cos or activation exactly 0,
+    if any, fall in no group and make the sum fall short of 1)."""
+    pos = delta > 0
+    groups = neuron_groups(cos, base_means, pos)
+    d = delta.detach().float().cpu().numpy()
+    total = float(d[pos.cpu().numpy()].sum())
+    rows = []
+    for g in GROUPS:
+        sel = groups == g
+        rows.append({"group": g, "count": int(sel.sum()), "delta_sum": float(d[sel].sum()),
+                     "share": float(d[sel].sum()) / total if total > 0 else float("nan")})
+    return pd.DataFrame(rows)
+
+
+def neuron_frame(base, tuned, base_means: torch.Tensor, tuned_means: torch.Tensor,
+                 direction: torch.Tensor) -> pd.DataFrame:
+    """One row per neuron: layer, neuron, cos (base value vectors), m_base, m_tuned, proj_base,
+    proj_tuned, delta, group (among Delta > 0; '' otherwise)."""
+    cos = neuron_cosines(base, direction)
+    pb = neuron_projections(base, base_means, direction)
+    pt = neuron_projections(tuned, tuned_means, direction)
+    delta = pb - pt
+    groups = neuron_groups(cos, base_means, delta > 0)
+    n_layers, d_mlp = cos.shape
+    return pd.DataFrame({
+        "layer": np.repeat(np.arange(n_layers), d_mlp), "neuron": np.tile(np.arange(d_mlp), n_layers),
+        "cos": cos.flatten().numpy(), "m_base": base_means.float().flatten().cpu().numpy(),
+        "m_tuned": tuned_means.float().flatten().cpu().numpy(), "proj_base": pb.flatten().numpy(),
+        "proj_tuned": pt.flatten().numpy(), "delta": delta.flatten().numpy(), "group": groups.flatten()})
+
+
+def top_toxic_neurons(cos: torch.Tensor, n: int) -> list[tuple[int, int]]:
+    """The ``n`` neurons whose value vectors have the highest cosine with the direction, best first."""
+    if not isinstance(n, int) or not 0 < n <= cos.numel():
+        raise ValueError(f"n must be an integer in 1..{cos.numel()}, got {n!r}")
+    d_mlp = cos.shape[-1]
+    flat = torch.topk(cos.detach().float().cpu().flatten(), n).indices.tolist()
+    return [(i // d_mlp, i % d_mlp) for i in flat]
+
+
+def positive_share(delta: torch.Tensor, neurons: Iterable[tuple[int, int]]) -> float:
+    """Share of the positive projection change carried by ``neurons``: sum of their positive Delta
+    over the sum of all positive Delta."""
+    d = delta.detach().float().cpu().clamp_min(0)
+    total = float(d.sum())
+    if total <= 0:
+        return float("nan")
+    chosen = sorted(set((int(L), int(i)) for L, i in neurons))
+    if not chosen:
+        return 0.0
+    L, i = zip(*chosen)
+    return float(d[list(L), list(i)].sum()) / total
+
+
+# ----------------------------------------------------------------------------- intervention tables
+
+
+def patch_table(neurons: Iterable[tuple[int, int]], means: torch.Tensor) -> pd.DataFrame:
+    """A :func:`lib.hooks.intervene` table that sets each neuron to ``means[layer, neuron]`` (e.g.
+    the fine-tuned model's mean activation) at every position. Columns layer, neuron, mode, value."""
+    m = means.detach().float().cpu()
+    rows = [{"layer": int(L), "neuron": int(i), "mode": "set", "value": float(m[L, i])}
+            for L, i in sorted(set((int(L), int(i)) for L, i in neurons))]
+    return pd.DataFrame(rows, columns=["layer", "neuron", "mode", "value"])
+
+
+def group_neurons(groups: np.ndarray, names: Iterable[str]) -> list[tuple[int, int]]:
+    """(layer, neuron) of every neuron whose label in ``groups`` (from :func:`neuron_groups`) is in ``names``."""
+    names = set(names)
+    unknown = names - set(GROUPS)
+    if unknown:
+        raise ValueError(f"unknown group(s) {sorted(unknown)}: use {', '.join(GROUPS)}")
+    L, i = np.nonzero(np.isin(groups, sorted(names)))
+    return list(zip(L.tolist(), i.tolist()))
+
+
+def editing_table(base_means: torch.Tensor, cos: torch.Tensor, alpha: float, beta: float,
+                  keep: dict | None = None) -> pd.DataFrame:
+    """Activation editing without training: groups from the base model alone (signs of cos and of
+    the mean base activation, every neuron); within each group keep the fraction ``beta`` ranked by
+    |cos| (``keep``, default :data:`EDIT_KEEP`: TP and AN highest, AP and TN lowest); scale TP and
+    AN by (1 - alpha), AP and TN by (1 + alpha). Columns layer, neuron, mode, value, group, cos."""
+    if not 0 <= float(alpha) <= 1:
+        raise ValueError(f"alpha must lie in [0, 1], got {alpha!r}")
+    if not 0 <= float(beta) <= 1:
+        raise ValueError(f"beta must lie in [0, 1], got {beta!r}")
+    keep = {**EDIT_KEEP, **(keep or {})}
+    if set(keep.values()) - {"highest", "lowest"}:
+        raise ValueError("keep maps groups to 'highest' or 'lowest'")
+    groups = neuron_groups(cos, base_means)
+    c = cos.detach().float().cpu().numpy()
+    rows = []
+    for g in GROUPS:
+        L, i = np.nonzero(groups == g)
+        n_keep = int(round(beta * len(L)))
+        if n_keep == 0:
+            continue
+        a = np.abs(c[L, i])
+        order = np.argsort(-a if keep[g] == "highest" else a, kind="stable")[:n_keep]
+        for j in order:
+            rows.append({"layer": int(L[j]), "neuron": int(i[j]), "mode": "scale",
+                         "value": 1.0 + EDIT_SIGN[g] * float(alpha), "group": g, "cos": float(c[L[j], i[j]])})
+    df = pd.DataFrame(rows, columns=["layer", "neuron", "mode", "value", "group", "cos"])
+    return df.sort_values(["layer", "neuron"]).reset_index(drop=True)
+
+
+def reduction_share(base: float, intervened: float, tuned: float) -> float:
+    """(base - intervened) / (base - tuned): the share of the tuned model's reduction that an
+    intervention on the base model achieves (nan when the tuned model reduces nothing)."""
+    gap = base - tuned
+    return (base - intervened) / gap if gap > 0 else float("nan")

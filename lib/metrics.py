@@ -30,6 +30,8 @@ class Generations:
     continuations: list[str]  # new text only, prompt removed
     prompt_ids: list[list[int]]
     new_ids: list[list[int]]
+    first_token_rank: list[int] | None = None  # with score_tokens: rank (0 = greedy choice) at the first step
+    first_token_logprob: list[float] | None = None  # with score_tokens: its log-probability there
 
     @property
     def full_texts(self) -> list[str]:
@@ -44,11 +46,14 @@ def _check_positive(**kw):
 
 @torch.inference_mode()
 def generate(loaded: Loaded, prompts: Sequence[str], max_new_tokens: int = 20, batch_size: int = 16,
-             max_prompt_tokens: int | None = 32, progress: bool = True, desc: str = "generating") -> Generations:
+             max_prompt_tokens: int | None = 32, progress: bool = True, desc: str = "generating",
+             score_tokens: Sequence[int] | None = None) -> Generations:
     """Greedy continuations, batched with left padding and the KV cache.
 
     Prompts are truncated to their first ``max_prompt_tokens`` tokens; batches are formed from
-    prompts of similar length (results come back in the input order).
+    prompts of similar length (results come back in the input order). ``score_tokens`` (one token
+    id per prompt) also returns that token's rank and log-probability in the first step's logits,
+    from the same forward pass (e.g. the gold answer's first token).
     """
     _check_positive(max_new_tokens=max_new_tokens, batch_size=batch_size)
     if max_prompt_tokens is not None:
@@ -59,8 +64,11 @@ def generate(loaded: Loaded, prompts: Sequence[str], max_new_tokens: int = 20, b
     ids = [tok(p, add_special_tokens=True)["input_ids"][:max_prompt_tokens] for p in prompts]
     if any(len(i) == 0 for i in ids):
         raise ValueError("an empty prompt has no tokens to continue")
+    if score_tokens is not None and len(score_tokens) != len(ids):
+        raise ValueError(f"score_tokens needs one token id per prompt: {len(score_tokens)} for {len(ids)} prompts")
     order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))
     new: dict[int, list[int]] = {}
+    ranks: dict[int, tuple[int, float]] = {}
     pad = tok.pad_token_id
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
     n = (len(order) + batch_size - 1) // batch_size
@@ -69,13 +77,26 @@ def generate(loaded: Loaded, prompts: Sequence[str], max_new_tokens: int = 20, b
         input_ids = torch.tensor([[pad] * (width - len(ids[i])) + ids[i] for i in chunk], device=model.device)
         attn = torch.tensor([[0] * (width - len(ids[i])) + [1] * len(ids[i]) for i in chunk], device=model.device)
         out = model.generate(input_ids=input_ids, attention_mask=attn, max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=pad, temperature=None, top_p=None, top_k=None)
+                             do_sample=False, pad_token_id=pad, temperature=None, top_p=None, top_k=None,
+                             **({"output_logits": True, "return_dict_in_generate": True} if score_tokens is not None else {}))
+        if score_tokens is not None:
+            first = out.logits[0].float()  # [batch, vocab] raw logits of the first new token
+            out = out.sequences
+            target = torch.tensor([int(score_tokens[i]) for i in chunk], device=first.device)
+            t_logit = first.gather(1, target[:, None])
+            rk = (first > t_logit).sum(1).tolist()
+            lp = (t_logit[:, 0] - torch.logsumexp(first, -1)).tolist()
+            ranks.update({i: (r, p) for i, r, p in zip(chunk, rk, lp)})
         for row, i in zip(out[:, width:].tolist(), chunk):
             cut = next((j for j, t in enumerate(row) if t in eos), len(row))
             new[i] = row[:cut]
     prompt_texts = [tok.decode(i, skip_special_tokens=True) for i in ids]
     new_ids = [new[i] for i in range(len(ids))]
-    return Generations(prompt_texts, [tok.decode(t, skip_special_tokens=True) for t in new_ids], ids, new_ids)
+    gens = Generations(prompt_texts, [tok.decode(t, skip_special_tokens=True) for t in new_ids], ids, new_ids)
+    if score_tokens is not None:
+        gens.first_token_rank = [ranks[i][0] for i in range(len(ids))]
+        gens.first_token_logprob = [ranks[i][1] for i in range(len(ids))]
+    return gens
 
 
 # ----------------------------------------------------------------------------- toxicity
@@ -203,17 +224,55 @@ def attention_entropy(probs: torch.Tensor, valid: torch.Tensor | None = None,
 # ----------------------------------------------------------------------------- average precision
 
 
-def average_precision(scores: np.ndarray | torch.Tensor, labels: Sequence[int] | np.ndarray) -> np.ndarray:
+def average_precision(scores: np.ndarray | torch.Tensor, labels: Sequence[int] | np.ndarray,
+                      backend: str = "sklearn") -> np.ndarray:
     """Average precision of each column of ``scores`` [n_examples, n_units] as a detector of
-    ``labels`` (1 = positive), with scikit-learn. Returns [n_units]."""
+    ``labels`` (1 = positive). Returns [n_units].
+
+    backend 'sklearn' (default) calls scikit-learn column by column; 'torch' computes the same
+    number (ties handled as scikit-learn does: tied scores enter together) for all columns at once,
+    which is what tens of thousands of neurons need. With 'torch', ``labels`` may also be
+    [n_examples, n_tasks] (one detection task per column, sharing one sort): returns [n_tasks, n_units]."""
     from sklearn.metrics import average_precision_score
 
+    if backend not in ("sklearn", "torch"):
+        raise ValueError(f"unknown backend {backend!r}: use 'sklearn' or 'torch'")
     s = scores.detach().cpu().numpy() if isinstance(scores, torch.Tensor) else np.asarray(scores)
     y = np.asarray(labels).astype(int)
     if s.ndim == 1:
         s = s[:, None]
     if s.shape[0] != y.shape[0]:
         raise ValueError(f"scores has {s.shape[0]} rows but labels has {y.shape[0]}")
-    if y.min() == y.max():
+    if y.ndim == 2 and backend != "torch":
+        raise ValueError("labels with one column per task need backend='torch'")
+    y2 = y.reshape(len(y), -1)
+    if (y2.min(0) == y2.max(0)).any():
         raise ValueError("labels must contain both positives and negatives")
+    if backend == "torch":
+        ap = _average_precision_torch(torch.from_numpy(s), torch.from_numpy(y2))  # [tasks, units]
+        return ap if y.ndim == 2 else ap[0]
     return np.asarray(average_precision_score(np.repeat(y[:, None], s.shape[1], axis=1), s, average=None))
+
+
+def _average_precision_torch(s: torch.Tensor, y: torch.Tensor, chunk: int = 8192) -> np.ndarray:
+    """AP = mean over positives of the precision at the end of the positive's tie group (sorted by
+    descending score): scikit-learn's step-wise precision-recall sum. s [n, units], y [n, tasks]
+    -> [tasks, units]; the sort is shared by the tasks."""
+    n = s.shape[0]
+    yf = y.float()
+    pos = yf.sum(0)  # [tasks]
+    ranks = torch.arange(1, n + 1, dtype=torch.float32).unsqueeze(1)
+    out = []
+    for c0 in range(0, s.shape[1], chunk):
+        vals, order = torch.sort(s[:, c0:c0 + chunk].float(), dim=0, descending=True, stable=True)  # [n, u]
+        group_end = torch.ones_like(vals, dtype=torch.bool)
+        group_end[:-1] = vals[:-1] != vals[1:]
+        idx = torch.where(group_end, torch.arange(n).unsqueeze(1).expand_as(order), torch.full_like(order, n))
+        nxt = torch.flip(torch.cummin(torch.flip(idx, [0]), 0).values, [0])  # last index of each tie group
+        rows = []
+        for t in range(yf.shape[1]):
+            lab = yf[:, t][order]  # [n, u]
+            prec = lab.cumsum(0) / ranks  # exact: counts below 2**24
+            rows.append((lab * prec.gather(0, nxt)).sum(0) / pos[t])
+        out.append(torch.stack(rows))
+    return torch.cat(out, 1).double().numpy()

@@ -342,6 +342,37 @@ def residual_means(loaded: Loaded, texts: Sequence[str], layer: int = -1, batch_
     return torch.cat(out)
 
 
+def block_module(loaded: Loaded, layer: int):
+    """The whole transformer block ``layer`` (its output is the residual stream after the block)."""
+    prefix = loaded.info.mlp_out.split("{L}")[0] + "{L}"  # 'layers.{L}', 'h.{L}', 'encoder.layer.{L}'
+    return loaded.model.base_model.get_submodule(prefix.format(L=loaded.info.check_layer(layer)))
+
+
+@contextlib.contextmanager
+def residual_add(loaded: Loaded, vector: torch.Tensor, layers: Iterable[int] | None = None):
+    """Activation addition: add ``vector`` [d_model] to the residual stream after each chosen block
+    (default: all), at every position, in forward passes and KV-cached generation alike.
+    Hooks are removed on exit, even on error."""
+    info = loaded.info
+    if vector.shape != (info.d_model,):
+        raise ValueError(f"vector must have shape [{info.d_model}] (d_model), got {list(vector.shape)}")
+    chosen = sorted({info.check_layer(int(L)) for L in layers}) if layers is not None else range(info.n_layers)
+
+    def hook(module, args, output):
+        h = output[0] if isinstance(output, tuple) else output  # [batch, pos, d_model]
+        h = h + vector.to(h.device, h.dtype)
+        return (h,) + tuple(output[1:]) if isinstance(output, tuple) else h
+
+    handles = []
+    try:
+        for L in chosen:
+            handles.append(block_module(loaded, L).register_forward_hook(hook))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 # ----------------------------------------------------------------------------- attention
 
 

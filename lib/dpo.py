@@ -1,0 +1,350 @@
+"""Shared artifacts of the DPO-toxicity notebooks (paper A): toxicity probe, preference pairs,
+a DPO-trained model, and one evaluation (toxicity, perplexity, F1).
+
+Every builder caches its result through :mod:`lib.cache` (keyed by model and parameters), so a
+later notebook reuses what an earlier one built and every notebook still runs alone.
+
+* :func:`train_probe`: logistic regression (scikit-learn defaults) on the last layer's hidden
+  state after the final norm, mean-pooled over tokens; direction = ``coef_`` (bias dropped).
+* :func:`preference_pairs`: neutral Wikipedia prompts; preferred = greedy continuation,
+  dispreferred = continuation steered along the probe direction (activation addition in the
+  residual stream, see :func:`lib.hooks.residual_add`), kept when the scorer rates it more toxic.
+* :func:`train_dpo`: full fine-tuning with TRL's ``DPOTrainer`` (sigmoid loss, beta 0.1).
+* :func:`evaluate`: the Lee et al. (2024) protocol at a chosen size.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from lib import cache, data, hooks, metrics, models, repro
+from lib.models import Loaded
+
+# Default sizes shared by notebooks 02-06 (CPU-sized; papermill parameters scale them up).
+DEFAULTS: dict = {
+    "n_probe_per_class": 300,  # Davidson tweets per class for the probe (paper: ~159k Jigsaw comments)
+    "probe_max_length": 64,  # tokens per tweet
+    "n_pairs": 64,  # preference pairs wanted (paper: 24,576)
+    "pair_offset": 1000,  # pairs use wiki_samples rows from here on (evaluation uses the first rows)
+    "steer_scale": 8.0,  # norm of the probe-direction vector added to the residual stream
+    "steer_layers": "middle",  # which blocks get the steer: 'all' or 'middle' (the middle third)
+    "dpo_steps": 32,  # optimizer steps
+    "dpo_lr": 1e-5,  # learning rate (paper: 1e-6 to 1e-5, RMSprop)
+    "dpo_batch_size": 4,  # pairs per step (paper: 4)
+    "beta": 0.1,  # DPO beta (paper: 0.1)
+    "n_prompts": 64,  # challenge prompts for toxicity (paper: 1,199)
+    "n_wiki": 32,  # wiki_samples rows for perplexity and F1 (paper: 2,064)
+    "max_new_tokens": 20,  # greedy tokens per continuation (paper: 20)
+}
+PROBE_FEATURE_LAYER = -1  # hidden_states index: after the final norm
+
+
+# ----------------------------------------------------------------------------- probe
+
+
+@dataclass
+class Probe:
+    direction: torch.Tensor  # [d_model] float32 cpu: LogisticRegression coef_ (bias dropped)
+    bias: float
+    val_accuracy: float  # held-out split of the training texts (Davidson tweets)
+    jigsaw_accuracy: float  # the small Jigsaw sample (nan when not measured)
+    n_train: int
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Decision function on pooled features [n, d_model] -> [n] (> 0 means toxic)."""
+        return features.float().cpu() @ self.direction + self.bias
+
+    @property
+    def unit(self) -> torch.Tensor:
+        return self.direction / self.direction.norm()
+
+
+def features(lm: Loaded, texts: Sequence[str], max_length: int = 64, batch_size: int = 32,
+             progress: bool = True) -> torch.Tensor:
+    """[n, d_model] last-layer hidden state after the final norm, mean-pooled over tokens.
+    Texts are batched by length (less padding) and returned in the input order."""
+    texts = list(texts)
+    lengths = [len(ids) for ids in lm.tokenizer(texts, add_special_tokens=True)["input_ids"]]
+    order = sorted(range(len(texts)), key=lambda i: (lengths[i], i))
+    feats = hooks.residual_means(lm, [texts[i] for i in order], PROBE_FEATURE_LAYER, batch_size, max_length, progress)
+    out = torch.empty_like(feats)
+    out[torch.tensor(order)] = feats
+    return out
+
+
+def fit_probe(lm: Loaded, texts: Sequence[str], labels: Sequence[int], val_fraction: float = 0.1,
+              test_texts: Sequence[str] | None = None, test_labels: Sequence[int] | None = None,
+              seed: int = 0, max_length: int = 64, batch_size: int = 32, progress: bool = True) -> Probe:
+    """Logistic regression (scikit-learn defaults, more iterations so lbfgs converges) on
+    :func:`features` of ``texts``; accuracy on a stratified ``val_fraction`` split and on the
+    optional test set (``jigsaw_accuracy``)."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.model_selection import train_test_split
+
+    y = np.asarray(labels).astype(int)
+    if len(texts) != len(y):
+        raise ValueError(f"{len(texts)} texts but {len(y)} labels")
+    if set(np.unique(y)) != {0, 1}:
+        raise ValueError("labels must contain both classes 0 and 1")
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
+    X = features(lm, texts, max_length, batch_size, progress).numpy()
+    Xtr, Xva, ytr, yva = train_test_split(X, y, test_size=val_fraction, random_state=seed, stratify=y)
+    clf = LogisticRegression(max_iter=5000).fit(Xtr, ytr)
+    test_acc = float("nan")
+    if test_texts is not None:
+        Xte = features(lm, test_texts, max_length, batch_size, progress).numpy()
+        test_acc = float(clf.score(Xte, np.asarray(test_labels).astype(int)))
+    return Probe(torch.tensor(clf.coef_[0], dtype=torch.float32), float(clf.intercept_[0]),
+                 float(clf.score(Xva, yva)), test_acc, len(ytr))
+
+
+def _probe_data(n_per_class: int, seed: int) -> tuple[list[str], list[int]]:
+    df = data.davidson_tweets()
+    parts = [df[df.toxic == c].sample(n=min(n_per_class, int((df.toxic == c).sum())), random_state=seed)
+             for c in (0, 1)]
+    both = pd.concat(parts).sort_values("row")
+    return both.tweet.tolist(), both.toxic.astype(int).tolist()
+
+
+def train_probe(lm: Loaded, n_per_class: int = DEFAULTS["n_probe_per_class"], seed: int = 0,
+                max_length: int = DEFAULTS["probe_max_length"], batch_size: int = 32,
+                progress: bool = True) -> Probe:
+    """The toxicity probe on balanced Davidson tweets (toxic = hate or offensive), 90/10 split,
+    checked on the Jigsaw sample. Cached per model and parameters."""
+    if not isinstance(n_per_class, int) or n_per_class < 10:
+        raise ValueError(f"n_per_class must be an integer >= 10, got {n_per_class!r}")
+
+    def build():
+        texts, labels = _probe_data(n_per_class, seed)
+        jig = data.jigsaw_sample()
+        return fit_probe(lm, texts, labels, 0.1, jig.comment_text.tolist(), jig.toxic.tolist(), seed,
+                         max_length, batch_size, progress)
+
+    params = {"n_per_class": n_per_class, "seed": seed, "max_length": max_length, "layer": PROBE_FEATURE_LAYER}
+    return cache.get_or_build("probe", lm.name, params, build)
+
+
+# ----------------------------------------------------------------------------- preference pairs
+
+
+def steer_layers(lm: Loaded, which: str = DEFAULTS["steer_layers"]) -> list[int]:
+    """Blocks that get the steering vector: 'all', or 'middle' (the middle third of the blocks)."""
+    n = lm.info.n_layers
+    if which == "all":
+        return list(range(n))
+    if which == "middle":
+        return list(range(n // 3, max(2 * n // 3, n // 3 + 1)))
+    raise ValueError(f"unknown steer_layers {which!r}: use 'all' or 'middle'")
+
+
+def steered_generate(lm: Loaded, prompts: Sequence[str], direction: torch.Tensor, scale: float,
+                     layers: str = DEFAULTS["steer_layers"], **kw) -> metrics.Generations:
+    """Greedy continuations with ``scale * direction/|direction|`` added to the residual stream
+    after the chosen blocks at every position (a PPLM-like toxic steer without gradients)."""
+    vec = (direction.float() / direction.float().norm()) * float(scale)
+    with hooks.residual_add(lm, vec, steer_layers(lm, layers)):
+        return metrics.generate(lm, prompts, **kw)
+
+
+def preference_pairs(lm: Loaded, probe: Probe, n_pairs: int = DEFAULTS["n_pairs"], seed: int = 0,
+                     steer_scale: float = DEFAULTS["steer_scale"], max_new_tokens: int = DEFAULTS["max_new_tokens"],
+                     progress: bool = True, layers: str = DEFAULTS["steer_layers"],
+                     offset: int = DEFAULTS["pair_offset"], scorer: str = "auto",
+                     chunk: int = 32) -> pd.DataFrame:
+    """Up to ``n_pairs`` (prompt, chosen, rejected) rows from neutral wiki_samples prompts.
+
+    chosen = the model's greedy continuation; rejected = the continuation steered along the probe
+    direction; a prompt is kept only when the scorer rates rejected more toxic than chosen.
+    Prompts are taken in order from row ``offset``, ``chunk`` at a time, until ``n_pairs`` are kept
+    or 4 * n_pairs prompts were tried. Columns: prompt, chosen, rejected, tox_chosen, tox_rejected
+    (and ``attrs['n_tried']``, ``attrs['scorer']``). Cached per model, probe and parameters.
+    """
+    if not isinstance(n_pairs, int) or n_pairs <= 0:
+        raise ValueError(f"n_pairs must be a positive integer, got {n_pairs!r}")
+
+    def build():
+        repro.setup(seed)
+        rows, tried = [], 0
+        limit = 4 * n_pairs
+        pool = [r["prompt"].strip() for r in data.wiki_samples(limit, offset=offset)]
+        from tqdm.auto import tqdm
+        bar = tqdm(total=n_pairs, desc="preference pairs", disable=not progress)
+        name = None
+        while len(rows) < n_pairs and tried < len(pool):
+            prompts = pool[tried:tried + chunk]
+            tried += len(prompts)
+            plain = metrics.generate(lm, prompts, max_new_tokens, progress=False)
+            toxic = steered_generate(lm, prompts, probe.direction, steer_scale, layers,
+                                     max_new_tokens=max_new_tokens, progress=False)
+            t_plain, name = metrics.toxicity(plain.continuations, scorer)
+            t_toxic, _ = metrics.toxicity(toxic.continuations, scorer)
+            for i in range(len(prompts)):
+                if t_toxic[i] > t_plain[i] and plain.continuations[i].strip() and len(rows) < n_pairs:
+                    rows.append({"prompt": plain.prompts[i], "chosen": plain.continuations[i],
+                                 "rejected": toxic.continuations[i], "tox_chosen": float(t_plain[i]),
+                                 "tox_rejected": float(t_toxic[i])})
+                    bar.update(1)
+        bar.close()
+        df = pd.DataFrame(rows, columns=["prompt", "chosen", "rejected", "tox_chosen", "tox_rejected"])
+        return {"pairs": df, "n_tried": tried, "scorer": name}
+
+    params = {"probe": _tensor_key(probe.direction), "n_pairs": n_pairs, "seed": seed, "steer_scale": float(steer_scale),
+              "max_new_tokens": max_new_tokens, "layers": layers, "offset": offset, "scorer": metrics.resolve_scorer(scorer),
+              "chunk": chunk}
+    out = cache.get_or_build("pairs", lm.name, params, build)
+    df = out["pairs"].copy()
+    df.attrs.update(n_tried=out["n_tried"], scorer=out["scorer"])
+    return df
+
+
+def _tensor_key(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().float().cpu().numpy().tobytes()).hexdigest()[:12]
+
+
+def _pairs_key(pairs: pd.DataFrame) -> str:
+    blob = json.dumps(pairs[["prompt", "chosen", "rejected"]].values.tolist())
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+# ----------------------------------------------------------------------------- DPO
+
+
+def _log_frame(history: list[dict]) -> pd.DataFrame:
+    rows = [{"step": int(h["step"]), "loss": float(h["loss"]), "reward_margin": float(h.get("rewards/margins", np.nan)),
+             "reward_accuracy": float(h.get("rewards/accuracies", np.nan)),
+             "reward_chosen": float(h.get("rewards/chosen", np.nan)),
+             "reward_rejected": float(h.get("rewards/rejected", np.nan))}
+            for h in history if "loss" in h and "step" in h]
+    return pd.DataFrame(rows, columns=["step", "loss", "reward_margin", "reward_accuracy", "reward_chosen",
+                                       "reward_rejected"])
+
+
+def _run_dpo(lm: Loaded, pairs: pd.DataFrame, steps: int, lr: float, beta: float, seed: int,
+             batch_size: int, progress: bool, out_dir: Path):
+    """Train a copy of ``lm.model`` with TRL's DPOTrainer; return (trained model, log frame)."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    policy = copy.deepcopy(lm.model)
+    ref = copy.deepcopy(lm.model)
+    ds = Dataset.from_dict({k: pairs[k].astype(str).tolist() for k in ("prompt", "chosen", "rejected")})
+    on_cpu = not str(lm.device).startswith("cuda")
+    cfg = DPOConfig(
+        output_dir=str(out_dir), max_steps=steps, learning_rate=lr, beta=beta, seed=seed,
+        per_device_train_batch_size=batch_size, gradient_accumulation_steps=1,
+        optim="rmsprop", lr_scheduler_type="constant_with_warmup", warmup_steps=max(1, steps // 10),
+        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=not progress,
+        gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=on_cpu,
+        dataloader_num_workers=0, dataset_num_proc=None, max_length=128, data_seed=seed,
+    )
+    trainer = DPOTrainer(model=policy, ref_model=ref, args=cfg, train_dataset=ds, processing_class=lm.tokenizer)
+    trainer.train()
+    log = _log_frame(trainer.state.log_history)
+    model = trainer.model
+    del trainer, ref
+    return model, log
+
+
+def train_dpo(lm: Loaded, pairs: pd.DataFrame, steps: int = DEFAULTS["dpo_steps"], lr: float = DEFAULTS["dpo_lr"],
+              beta: float = DEFAULTS["beta"], seed: int = 0, progress: bool = True,
+              batch_size: int = DEFAULTS["dpo_batch_size"]) -> tuple[Loaded, pd.DataFrame]:
+    """Full fine-tuning of ``lm`` with DPO (TRL ``DPOTrainer``, sigmoid loss, RMSprop, constant lr
+    after a 10% warm-up) on ``pairs``; ``lm`` itself is not modified.
+
+    Returns the DPO model as a :class:`Loaded` on ``lm``'s device (named ``<base>-dpo-<key>``) and
+    the training log (step, loss, reward_margin, ...). Cached as a saved model folder (written
+    atomically) and reloaded with :func:`lib.models.load`.
+    """
+    if not isinstance(steps, int) or steps <= 0:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    if len(pairs) == 0:
+        raise ValueError("no preference pairs to train on")
+    params = {"pairs": _pairs_key(pairs), "steps": steps, "lr": float(lr), "beta": float(beta), "seed": seed,
+              "batch_size": batch_size, "base": str(lm.path or lm.spec.hub_id)}
+    target = cache.path("dpo", lm.name, params)
+
+    if not (target / "config.json").exists():
+        def save(_, folder: Path):
+            folder.mkdir(parents=True)
+            repro.setup(seed, grad=True)
+            try:
+                with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    model, log = _run_dpo(lm, pairs, steps, lr, beta, seed, batch_size, progress, Path(tmp))
+            finally:
+                torch.set_grad_enabled(False)
+            model.eval()
+            model.save_pretrained(folder)
+            lm.tokenizer.save_pretrained(folder)
+            log.to_csv(folder / "training_log.csv", index=False)
+            (folder / "SOURCE.txt").write_text(f"DPO (TRL DPOTrainer) of {lm.name}; params {json.dumps(params)}\n")
+        cache.atomic_save(None, target, save)
+    torch.set_grad_enabled(False)
+    dev = "cpu" if str(lm.device) == "cpu" else str(lm.device)
+    loaded = models.load(str(target), device=dev, dtype=lm.model.dtype)
+    loaded.spec = dataclasses.replace(loaded.spec, name=f"{lm.name}-dpo-{target.name.split('-')[-1]}")
+    loaded.info.name = loaded.spec.name
+    return loaded, pd.read_csv(target / "training_log.csv")
+
+
+def base_and_dpo(model_name: str, device: str = "auto", seed: int = 0, progress: bool = True,
+                 **sizes) -> tuple[Loaded, Loaded, Probe]:
+    """Base model, DPO model and probe in one call, each from the cache when present, else built.
+    ``sizes`` override :data:`DEFAULTS` (unknown keys raise)."""
+    unknown = sorted(set(sizes) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown size(s) {', '.join(unknown)}: use any of {', '.join(DEFAULTS)}")
+    cfg = {**DEFAULTS, **sizes}
+    repro.setup(seed)
+    base = models.load(model_name, device=device)
+    probe = train_probe(base, cfg["n_probe_per_class"], seed, cfg["probe_max_length"], progress=progress)
+    pairs = preference_pairs(base, probe, cfg["n_pairs"], seed, cfg["steer_scale"], cfg["max_new_tokens"],
+                             progress, layers=cfg["steer_layers"], offset=cfg["pair_offset"])
+    dpo_lm, _ = train_dpo(base, pairs, cfg["dpo_steps"], cfg["dpo_lr"], cfg["beta"], seed, progress,
+                          cfg["dpo_batch_size"])
+    repro.setup(seed)
+    return base, dpo_lm, probe
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def evaluate(lm: Loaded, n_prompts: int = DEFAULTS["n_prompts"], n_wiki: int = DEFAULTS["n_wiki"],
+             max_new_tokens: int = DEFAULTS["max_new_tokens"], batch_size: int = 16, scorer: str = "auto",
+             progress: bool = True) -> dict:
+    """Toxicity, perplexity and F1 as in Lee et al. (2024), at a chosen size.
+
+    toxicity: mean scorer probability of the greedy continuations (continuation only) of the first
+    ``n_prompts`` RealToxicityPrompts challenge prompts, each truncated to 32 tokens.
+    perplexity: sliding-window perplexity of the first ``n_wiki`` wiki_samples gold texts.
+    f1: mean bag-of-tokens F1 of greedy continuations of their prompts (<= 32 tokens) against gold.
+    Uses only forward passes and generation, so it measures a model inside ``hooks.intervene``.
+    """
+    for k, v in (("n_prompts", n_prompts), ("n_wiki", n_wiki)):
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{k} must be a positive integer, got {v!r}")
+    prompts = data.challenge_prompts(n_prompts)
+    gen = metrics.generate(lm, prompts, max_new_tokens, batch_size, max_prompt_tokens=32, progress=progress,
+                           desc="challenge prompts")
+    tox, name = metrics.toxicity(gen.continuations, scorer)
+    wiki = data.wiki_samples(n_wiki)
+    golds = [r["gold"] for r in wiki]
+    ppl = metrics.perplexity(lm, golds, progress=progress)
+    wgen = metrics.generate(lm, [r["prompt"] for r in wiki], max_new_tokens, batch_size, max_prompt_tokens=32,
+                            progress=progress, desc="wiki prompts")
+    f1 = metrics.mean_f1(lm, wgen, golds)
+    return {"toxicity": float(np.mean(tox)), "perplexity": float(ppl), "f1": float(f1), "scorer": name,
+            "n_prompts": len(prompts), "n_wiki": len(wiki)}

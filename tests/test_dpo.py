@@ -1,0 +1,148 @@
+"""lib.dpo on tiny random models: probe, steering hook, preference pairs, DPO steps, evaluation, cache."""
+import numpy as np
+import pytest
+import torch
+
+from lib import dpo, hooks, metrics, models, paths
+
+
+@pytest.fixture(autouse=True)
+def tmp_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(paths, "CACHE", tmp_path / "cache")
+    yield
+    torch.set_grad_enabled(True)  # other test modules run with the default
+
+
+@pytest.fixture(scope="module")
+def llama():
+    lm = models.tiny_random("llama")
+    lm.tokenizer.eos_token = "[SEP]"  # the MiniLM tokenizer has no EOS; DPO appends one to completions
+    return lm
+
+
+def _planted(n=40, seed=0):
+    """Two classes of texts that differ in vocabulary: separable for any reasonable feature map."""
+    rng = np.random.default_rng(seed)
+    a = ["apple", "river", "green", "house", "table", "window"]
+    b = ["zebra", "quantum", "violet", "engine", "marble", "thunder"]
+    texts, labels = [], []
+    for i in range(n):
+        for words, y in ((a, 0), (b, 1)):
+            texts.append(" ".join(rng.choice(words, size=rng.integers(3, 9))))
+            labels.append(y)
+    return texts, labels
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_probe_separates_planted_classes_and_matches_direct_fit(family):
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.model_selection import train_test_split
+
+    lm = models.tiny_random(family)
+    texts, labels = _planted()
+    probe = dpo.fit_probe(lm, texts, labels, test_texts=texts[:20], test_labels=labels[:20], progress=False)
+    assert probe.direction.shape == (lm.info.d_model,) and probe.direction.dtype == torch.float32
+    assert probe.val_accuracy >= 0.9 and probe.jigsaw_accuracy >= 0.9
+    assert probe.n_train == 72
+    # the slow, obvious way: features in input order, one batch, same split and classifier
+    X = hooks.residual_means(lm, texts, -1, batch_size=len(texts), max_length=64, progress=False).numpy()
+    torch.testing.assert_close(dpo.features(lm, texts, progress=False), torch.tensor(X), atol=1e-4, rtol=1e-4)
+    Xtr, _, ytr, _ = train_test_split(X, np.array(labels), test_size=0.1, random_state=0, stratify=labels)
+    ref = LogisticRegression(max_iter=5000).fit(Xtr, ytr)
+    cos = torch.nn.functional.cosine_similarity(probe.direction, torch.tensor(ref.coef_[0], dtype=torch.float32), 0)
+    assert cos > 0.99
+    # the decision function agrees with sklearn's
+    np.testing.assert_allclose(probe.logits(torch.tensor(X)).numpy(), ref.decision_function(X), atol=1e-2, rtol=1e-2)
+
+
+def test_fit_probe_rejects_bad_labels(llama):
+    with pytest.raises(ValueError, match="both classes"):
+        dpo.fit_probe(llama, ["a", "b"], [1, 1], progress=False)
+
+
+@pytest.mark.parametrize("family", list(models.FAMILIES))
+def test_residual_add_adds_vector_and_is_removed(family):
+    lm = models.tiny_random(family)
+    enc = hooks.encode(lm, ["the cat sat on the mat", "hello"])
+    seen = {}
+    block = hooks.block_module(lm, 0)
+
+    def out0():
+        h = block.register_forward_hook(lambda m, a, o: seen.__setitem__("h", (o[0] if isinstance(o, tuple) else o).clone()))
+        try:
+            with torch.no_grad():
+                lm.model(**enc)
+        finally:
+            h.remove()
+        return seen["h"]
+
+    before = out0()
+    vec = torch.randn(lm.info.d_model)
+    with hooks.residual_add(lm, vec, layers=[0]):
+        # a hook registered after the steering hook sees the steered block output
+        inside = out0()
+    torch.testing.assert_close(inside, before + vec)
+    torch.testing.assert_close(out0(), before)  # removed on exit
+    with pytest.raises(ValueError, match="d_model"):
+        with hooks.residual_add(lm, torch.zeros(3)):
+            pass
+
+
+def test_steering_changes_generation_and_preference_pairs(llama):
+    prompts = ["the cat sat on", "one two three"]
+    plain = metrics.generate(llama, prompts, max_new_tokens=5, progress=False)
+    probe = dpo.Probe(torch.randn(llama.info.d_model), 0.0, 1.0, 1.0, 10)
+    steered = dpo.steered_generate(llama, prompts, probe.direction, 50.0, "all", max_new_tokens=5, progress=False)
+    assert steered.new_ids != plain.new_ids
+    assert metrics.generate(llama, prompts, max_new_tokens=5, progress=False).new_ids == plain.new_ids
+    pairs = dpo.preference_pairs(llama, probe, n_pairs=3, steer_scale=50.0, max_new_tokens=5, progress=False,
+                                 layers="all", chunk=8)
+    assert list(pairs.columns) == ["prompt", "chosen", "rejected", "tox_chosen", "tox_rejected"]
+    assert len(pairs) <= 3 and pairs.attrs["n_tried"] <= 12
+    assert (pairs.tox_rejected > pairs.tox_chosen).all()
+    again = dpo.preference_pairs(llama, probe, n_pairs=3, steer_scale=50.0, max_new_tokens=5, progress=False,
+                                 layers="all", chunk=8)
+    assert again.equals(pairs) and again.attrs == pairs.attrs
+
+
+def test_dpo_two_steps_change_weights_and_cache_hit_reloads_them(llama, monkeypatch):
+    import pandas as pd
+
+    pairs = pd.DataFrame({"prompt": ["the cat sat", "a river runs", "one two", "green house"],
+                          "chosen": [" on the mat", " to the sea", " three four", " on the hill"],
+                          "rejected": [" zebra engine", " thunder marble", " quantum violet", " engine zebra"],
+                          "tox_chosen": [0.1] * 4, "tox_rejected": [0.9] * 4})
+    before = {k: v.clone() for k, v in llama.model.state_dict().items()}
+    trained, log = dpo.train_dpo(llama, pairs, steps=2, lr=1e-3, seed=0, progress=False, batch_size=2)
+    assert not torch.is_grad_enabled()
+    assert list(log.step) == [1, 2] and np.isfinite(log.loss).all() and "reward_margin" in log
+    for k, v in llama.model.state_dict().items():  # the base model is untouched
+        torch.testing.assert_close(v, before[k])
+    new = trained.model.state_dict()
+    changed = [k for k in before if not torch.equal(before[k], new[k].to(before[k].device))]
+    assert any("mlp.down_proj" in k for k in changed), "DPO did not change the MLP output weights"
+    assert trained.name.startswith("tiny-llama-dpo-") and trained.info.n_layers == llama.info.n_layers
+    # cache hit: no training, same weights and log
+    monkeypatch.setattr(dpo, "_run_dpo", lambda *a, **k: pytest.fail("retrained despite the cache"))
+    again, log2 = dpo.train_dpo(llama, pairs, steps=2, lr=1e-3, seed=0, progress=False, batch_size=2)
+    pd.testing.assert_frame_equal(log, log2)
+    for k, v in again.model.state_dict().items():
+        torch.testing.assert_close(v, new[k])
+
+
+def test_evaluate_in_range_and_unchanged_under_identity_patch(llama):
+    res = dpo.evaluate(llama, n_prompts=4, n_wiki=3, max_new_tokens=4, progress=False)
+    assert 0 <= res["toxicity"] <= 1 and 0 <= res["f1"] <= 1
+    assert np.isfinite(res["perplexity"]) and res["perplexity"] > 1
+    assert res["n_prompts"] == 4 and res["n_wiki"] == 3 and res["scorer"] in metrics.SCORERS
+    with hooks.intervene(llama, [(0, 1, "scale", 1.0), (1, 2, "add", 0.0)]):
+        same = dpo.evaluate(llama, n_prompts=4, n_wiki=3, max_new_tokens=4, progress=False)
+    assert same == res
+    with hooks.intervene(llama, [(L, i, "set", 5.0) for L in range(2) for i in range(64)]):
+        other = dpo.evaluate(llama, n_prompts=4, n_wiki=3, max_new_tokens=4, progress=False)
+    assert other["perplexity"] != res["perplexity"]
+
+
+def test_base_and_dpo_rejects_unknown_sizes():
+    with pytest.raises(ValueError, match="unknown size"):
+        dpo.base_and_dpo("smollm2-135m", n_pears=3)

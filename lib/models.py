@@ -330,6 +330,8 @@ def load(name: str = "smollm2-135m", device: str = "auto", dtype: Any = "auto", 
     task: 'causal-lm' (decoders, default), 'encoder' (BertModel, default for encoders),
     'sequence-classification' (with ``num_labels``) or 'masked-lm'.
     device_map: e.g. 'auto' to spread a large model over the GPUs (accelerate); then ``device`` is ignored.
+    When None, the environment variable COMPENDIUM_DEVICE_MAP (if set) is used instead, so the runner
+    can load models larger than one GPU this way without a notebook parameter.
     """
     import torch
     import transformers as tf
@@ -340,6 +342,8 @@ def load(name: str = "smollm2-135m", device: str = "auto", dtype: Any = "auto", 
     task = task or ("causal-lm" if spec.kind == "causal" else "encoder")
     if task == "sequence-classification" and (not isinstance(num_labels, int) or num_labels < 2):
         raise ValueError("task 'sequence-classification' needs num_labels >= 2")
+    if device_map is None and os.environ.get("COMPENDIUM_DEVICE_MAP"):
+        device_map = os.environ["COMPENDIUM_DEVICE_MAP"]  # set by lib.runner from params/<model>.yaml
     dev = resolve_device(device) if device_map is None else "auto"
     torch_dtype = resolve_dtype(dtype, dev if device_map is None else "cuda")
     folder = model_dir(spec.name if spec.source != "local" else spec.hub_id)  # raises early if unavailable

@@ -76,3 +76,37 @@ def write_claims(model_name: str) -> Path:
     path = paths.results_dir(model_name) / "claims.md"
     atomic_write_text(path, "\n".join(lines) + "\n")
     return path
+
+
+def models_with_records() -> list[str]:
+    """Folder names under results/ that hold at least one notebook's findings."""
+    if not paths.RESULTS.exists():
+        return []
+    return sorted(d.name for d in paths.RESULTS.iterdir() if d.is_dir() and load_records(d.name))
+
+
+def merge_claims(models: list[str] | None = None) -> Path:
+    """results/claims.md: one row per finding (notebook, finding, the paper's number), one column per
+    model holding its verdict and measured number; models in the given order (default: every model
+    with records). A model that did not run a notebook shows an empty cell."""
+    models = list(dict.fromkeys(models)) if models is not None else models_with_records()
+    rows: dict[tuple[str, str], dict] = {}
+    for m in models:
+        for r in load_records(m):
+            row = rows.setdefault((r["notebook"], r["finding"]), {"papers": [], "cells": {}})
+            if r["paper"] not in row["papers"]:
+                row["papers"].append(r["paper"])
+            row["cells"][m] = f"**{_cell(r['verdict'])}**: {_cell(r['ours'])}"
+    lines = ["# Claims across models", "",
+             "Rows: the findings each notebook records; columns: the models it ran on "
+             "(verdict: our number). Built from results/<model>/*.json by `python -m lib.runner merge`.", "",
+             "| " + " | ".join(["notebook", "finding", "paper"] + [_cell(m) for m in models]) + " |",
+             "|---|---|---|" + "---|" * len(models)]
+    for (nb, finding), row in sorted(rows.items(), key=lambda kv: kv[0][0]):  # stable: record order within
+        cells = [_cell(nb), _cell(finding), _cell("; ".join(map(str, row["papers"])))]
+        lines.append("| " + " | ".join(cells + [row["cells"].get(m, "") for m in models]) + " |")
+    if not rows:
+        lines.append("| (no notebook has recorded a finding yet) | | |" + " |" * len(models))
+    path = paths.RESULTS / "claims.md"
+    atomic_write_text(path, "\n".join(lines) + "\n")
+    return path

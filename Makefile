@@ -7,7 +7,7 @@ DEVICE ?=
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help setup reproduce test test-lib test-notebooks claims clean-results
+.PHONY: help setup reproduce test test-lib test-notebooks claims clean-results workflow-dry-run
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -23,8 +23,16 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## create .venv, install the pinned packages, prepare the embedded models
 
-reproduce: $(STAMP) ## run every numbered notebook (MODEL=<name> for another model) and write the claims ledgers
-	$(PY) -m lib.runner all $(if $(MODEL),--model $(MODEL)) $(if $(DEVICE),--device $(DEVICE))
+CORES  ?= all
+# Snakemake runs every numbered notebook x model (Snakefile, config/models.yaml); an interrupted run
+# resumes where it stopped, and only what depends on a changed notebook runs again.
+SNAKEMAKE := $(VENV)/bin/snakemake --cores $(CORES) --rerun-incomplete --printshellcmds
+
+reproduce: $(STAMP) ## run the notebooks through Snakemake (MODEL=<name>: that model's grid; NOTEBOOKS=01,02: a subset)
+	$(SNAKEMAKE) --config run=$(or $(MODEL),default) $(if $(DEVICE),device=$(DEVICE)) $(if $(NOTEBOOKS),only=$(NOTEBOOKS))
+
+workflow-dry-run: $(STAMP) ## list every notebook x model job of the full grid (nothing runs)
+	$(VENV)/bin/snakemake -n --forceall --config run=all
 
 test: test-lib test-notebooks ## pytest on lib/, then nbval on every notebook
 

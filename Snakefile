@@ -1,0 +1,208 @@
+"""The compendium as a Snakemake workflow: one job per numbered notebook x model.
+
+    make reproduce                                  # default models on the local cores
+    make reproduce MODEL=gpt2-medium                # one model's grid
+    snakemake -n --forceall --config run=all        # list the full grid without running it
+    snakemake --profile profiles/slurm              # the full grid on a SLURM cluster
+
+Each job runs ``python -m lib.runner run notebooks/<nb>.ipynb --model <model> --atomic``, which
+writes results/<model>/<nb>.ipynb (only when the notebook ran through: see lib/runner.py) and
+results/<model>/timings/<nb>.json. The artifacts the notebooks share live in the cache (.cache/,
+COMPENDIUM_CACHE); the executed notebook that builds an artifact is an input of the notebooks that
+reuse it (NEEDS below), so the order is explicit and a changed notebook re-runs what depends on it.
+Models and resources: config/models.yaml; per-model notebook parameters: params/<model>.yaml.
+See docs/workflow.md.
+"""
+import re
+import shlex
+import sys
+from pathlib import Path
+
+ROOT = Path(workflow.basedir)
+sys.path.insert(0, str(ROOT))
+from lib import paths  # noqa: E402
+from lib.runner import parameter_defaults  # noqa: E402
+
+configfile: str(ROOT / "config" / "models.yaml")
+
+# Real runs work in the repository root (lib.runner writes to <root>/results); the workflow tests
+# point `notebooks_dir` and `workdir` at a scratch folder for a dry run.
+workdir: config.get("workdir", str(ROOT))
+
+PY = shlex.quote(sys.executable)  # the Python that runs Snakemake (the compendium's venv)
+NB_DIR = Path(config.get("notebooks_dir", ROOT / "notebooks")).resolve()
+PARAMS_DIR = ROOT / "params"
+
+# Which notebook's executed copy (and so its cached artifacts) each notebook needs, by number.
+NEEDS = {
+    # paper A: probe -> preference pairs + DPO model -> neuron statistics -> patching / editing
+    "02": ["01"],        # DPO pairs are scored with 01's toxicity probe
+    "03": ["02"],        # toxic neurons vs the DPO model's change; builds the activation statistics
+    "04": ["02", "03"],  # four neuron groups: DPO model + 03's activation statistics
+    "05": ["02", "03"],  # group patching replicates DPO: DPO model + the same statistics
+    "06": ["02"],        # activation editing compared with the DPO model
+    # paper B: 07 stands alone; 09 and 10 reuse the models 08 trains
+    "09": ["08"],
+    "10": ["08"],
+    # paper C: relation-specific neuron statistics -> deactivation experiments
+    "12": ["11"],
+    "13": ["11"],
+    "14": ["11"],
+}
+
+NUMBERED = re.compile(r"^(\d\d)_[a-z0-9_]+$")
+NOTEBOOKS = {p.stem: p for p in sorted(NB_DIR.glob("*.ipynb")) if NUMBERED.match(p.stem)}
+BY_NUMBER = {stem[:2]: stem for stem in NOTEBOOKS}
+
+
+def needs(number):
+    """Numbers of the existing notebooks ``number`` depends on; a missing notebook is replaced by
+    what it would itself need, so the order survives notebooks that are not written yet."""
+    out = set()
+    for d in NEEDS.get(number, []):
+        out |= {d} if d in BY_NUMBER else set(needs(d))
+    return sorted(out)
+
+
+# ----------------------------------------------------------------------------- the grid
+
+
+def default_model(stem):
+    """The notebook's own default model_name (its parameters cell)."""
+    defaults = parameter_defaults(NOTEBOOKS[stem])
+    if "model_name" not in defaults:
+        raise ValueError(f"{NOTEBOOKS[stem]} has no literal model_name in a cell tagged 'parameters'")
+    return str(defaults["model_name"])
+
+
+DEFAULTS = {stem: default_model(stem) for stem in NOTEBOOKS}  # each notebook's own model
+MODELS = config.get("models") or {}
+
+
+def paper_notebooks(model):
+    numbers = {n for paper in MODELS[model]["papers"] for n in config["papers"][paper]}
+    return [stem for stem in NOTEBOOKS if stem[:2] in numbers]
+
+
+def grid(selection):
+    """(model name, notebook stem) pairs for a `run` selection (see config/models.yaml)."""
+    pairs = []
+    for part in [s.strip() for s in str(selection).split(",") if s.strip()]:
+        if part in ("default", "all"):
+            pairs += [(m, stem) for stem, m in DEFAULTS.items()]
+        if part in ("papers", "all"):
+            pairs += [(m, stem) for m in MODELS for stem in paper_notebooks(m)]
+        if part in ("default", "papers", "all"):
+            continue
+        if part in MODELS:
+            pairs += [(part, stem) for stem in paper_notebooks(part)]
+        elif part in DEFAULTS.values():
+            pairs += [(part, stem) for stem, m in DEFAULTS.items() if m == part]
+        else:
+            pairs += [(part, stem) for stem in NOTEBOOKS]
+    return list(dict.fromkeys(pairs))
+
+
+GRID = grid(config.get("run", "default"))
+if config.get("only"):  # e.g. only=01,02: these notebooks (what they need still runs first)
+    ONLY = {str(n).zfill(2) for n in str(config["only"]).split(",") if str(n).strip()}
+    GRID = [(m, stem) for m, stem in GRID if stem[:2] in ONLY]
+# Model names by their results/ folder (a Hugging Face id 'org/name' becomes 'org--name').
+NAMES = {paths.slug(m): m for m in list(DEFAULTS.values()) + list(MODELS) + [m for m, _ in GRID]}
+RUN_MODELS = list(dict.fromkeys(paths.slug(m) for m, _ in GRID))
+# Column order of results/claims.md: default models, the papers' models, then anything else.
+ORDER = list(dict.fromkeys([paths.slug(m) for m in DEFAULTS.values()] + [paths.slug(m) for m in MODELS]))
+
+
+def resources(model, key):
+    res = {**config.get("default_resources", {}), **(MODELS.get(model, {}).get("resources") or {})}
+    return res.get(key)
+
+
+def res(key, fallback=None):
+    return lambda wc: resources(NAMES[wc.model], key) or fallback
+
+
+# Every resource key that config/models.yaml sets anywhere (SLURM plugin names such as gpu_model,
+# slurm_partition or constraint included); a model without a value leaves the key unset.
+RESOURCE_KEYS = sorted({k for r in [config.get("default_resources") or {}]
+                        + [(spec or {}).get("resources") or {} for spec in MODELS.values()] for k in r}
+                       - {"gpu", "cpus_per_task", "mem_mb", "runtime"})
+EXTRA_RESOURCES = {k: res(k) for k in RESOURCE_KEYS}
+
+
+wildcard_constraints:
+    model=r"[A-Za-z0-9._-]+",
+    nb=r"\d\d_[a-z0-9_]+",
+
+localrules: all, model_weights, claims, merge_claims
+
+
+rule all:
+    input:
+        [f"results/{paths.slug(m)}/{stem}.ipynb" for m, stem in GRID],
+        [f"results/{m}/claims.md" for m in RUN_MODELS],
+        "results/claims.md",
+
+
+rule model_weights:
+    """Resolve the model's weights once, on the submitting host (it has the network a cluster's
+    compute nodes often lack): the embedded models are converted, hub models downloaded to the
+    Hugging Face cache. Gated models need `huggingface-cli login` (or HF_TOKEN) first."""
+    output:
+        "results/{model}/model_dir.txt",
+    params:
+        name=lambda wc: NAMES[wc.model],
+    shell:
+        "{PY} -c 'import sys; from lib import models; print(models.model_dir(sys.argv[1]))' {params.name:q} > {output:q}"
+
+
+rule notebook:
+    """Execute one notebook for one model with papermill (lib.runner)."""
+    input:
+        notebook=lambda wc: NOTEBOOKS[wc.nb],
+        weights=ancient("results/{model}/model_dir.txt"),  # fetched once; not a reason to re-run
+        needs=lambda wc: [f"results/{wc.model}/{BY_NUMBER[d]}.ipynb" for d in needs(wc.nb[:2])],
+        params=lambda wc: [str(p) for p in [PARAMS_DIR / f"{wc.model}.yaml"] if p.exists()],
+    output:
+        "results/{model}/{nb}.ipynb",
+    log:
+        "results/{model}/logs/{nb}.log",
+    params:
+        name=lambda wc: NAMES[wc.model],
+        device=f"--device {shlex.quote(str(config['device']))}" if config.get("device") else "",
+    threads: lambda wc: resources(NAMES[wc.model], "cpus_per_task") or 2
+    resources:
+        gpu=res("gpu", 0),
+        cpus_per_task=res("cpus_per_task", 2),
+        mem_mb=res("mem_mb", 8000),
+        runtime=res("runtime", 60),
+        **EXTRA_RESOURCES,
+    shell:
+        "cd {ROOT} && {PY} -m lib.runner run {input.notebook:q} --model {params.name:q} --atomic "
+        "{params.device} > {log:q} 2>&1"
+
+
+rule claims:
+    """results/<model>/claims.md from the findings the model's notebooks recorded."""
+    input:
+        lambda wc: [f"results/{wc.model}/{stem}.ipynb" for m, stem in GRID if paths.slug(m) == wc.model],
+    output:
+        "results/{model}/claims.md",
+    params:
+        name=lambda wc: NAMES[wc.model],
+    shell:
+        "cd {ROOT} && {PY} -m lib.runner claims --model {params.name:q}"
+
+
+rule merge_claims:
+    """results/claims.md: every model's verdicts side by side (models run earlier stay in the table)."""
+    input:
+        [f"results/{m}/claims.md" for m in RUN_MODELS],
+    output:
+        "results/claims.md",
+    run:
+        from lib.results import merge_claims, models_with_records
+
+        have = set(models_with_records())
+        merge_claims([m for m in ORDER if m in have] + sorted(have - set(ORDER)))

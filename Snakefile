@@ -84,6 +84,17 @@ def paper_notebooks(model):
     return [stem for stem in NOTEBOOKS if stem[:2] in numbers]
 
 
+def canonical(name):
+    """A paper model given by its Hugging Face id ('meta-llama/Llama-2-7b-hf') -> its short name."""
+    from lib import models
+
+    try:
+        short = models.resolve_spec(name).name
+    except ValueError:
+        return name
+    return short if short in MODELS else name
+
+
 def grid(selection):
     """(model name, notebook stem) pairs for a `run` selection (see config/models.yaml)."""
     pairs = []
@@ -94,6 +105,7 @@ def grid(selection):
             pairs += [(m, stem) for m in MODELS for stem in paper_notebooks(m)]
         if part in ("default", "papers", "all"):
             continue
+        part = canonical(part)
         if part in MODELS:
             pairs += [(part, stem) for stem in paper_notebooks(part)]
         elif part in DEFAULTS.values():

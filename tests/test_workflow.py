@@ -146,10 +146,12 @@ def test_one_model_and_missing_notebooks_keep_the_order(tmp_path):
     stems = [s for s in PLANNED if s[:2] in ("00", "01", "02", "04", "05", "07", "11", "12")]
     for s in stems:
         fake_notebook(nbdir / f"{s}.ipynb", PLANNED[s])
-    # a paper model runs its papers' notebooks; a default model the notebooks it is the default of
-    nbjobs = notebook_jobs(dry_run(tmp_path, nbdir, "gpt2-medium,smollm2-135m"))
+    # a paper model runs its papers' notebooks (also when named by its Hugging Face id); a default
+    # model runs the notebooks it is the default of
+    nbjobs = notebook_jobs(dry_run(tmp_path, nbdir, "gpt2-medium,smollm2-135m,meta-llama/Llama-2-7b-hf"))
     assert set(nbjobs) == ({("gpt2-medium", s) for s in stems if s[:2] in ("01", "02", "04", "05")}
-                           | {("smollm2-135m", s) for s in stems})
+                           | {("smollm2-135m", s) for s in stems}
+                           | {("llama-2-7b", s) for s in stems if s[:2] in ("11", "12")})
     for model in ("gpt2-medium", "smollm2-135m"):
         needs04 = [f for f in nbjobs[(model, "04_four_neuron_groups")]["input"] if f.endswith(".ipynb")]
         assert f"results/{model}/02_dpo_reduces_toxicity.ipynb" in needs04

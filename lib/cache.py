@@ -34,6 +34,9 @@ def atomic_write_text(target: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(text)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; published files get the usual mode
     os.replace(tmp, target)
 
 

@@ -250,3 +250,22 @@ def reduction_share(base: float, intervened: float, tuned: float) -> float:
     intervention on the base model achieves (nan when the tuned model reduces nothing)."""
     gap = base - tuned
     return (base - intervened) / gap if gap > 0 else float("nan")
+
+
+# ----------------------------------------------------------------------------- cached reference evaluations
+
+
+def reference_evaluations(model_name: str, base: Loaded, tuned: Loaded, tuned_params: dict, evaluate,
+                          **eval_kwargs) -> dict:
+    """``evaluate(lm, **eval_kwargs)`` of the base and the fine-tuned model, cached (so notebooks that
+    compare interventions with both reuse them). Keys: model, which model, ``tuned_params`` (for
+    the tuned one), ``eval_kwargs`` with the toxicity scorer resolved. Returns {"base": ..., "tuned": ...}."""
+    kw = {k: v for k, v in sorted(eval_kwargs.items()) if k != "progress"}
+    if "scorer" in kw:
+        kw["scorer"] = metrics.resolve_scorer(kw["scorer"])
+    out = {}
+    for label, lm in (("base", base), ("tuned", tuned)):
+        params = {"which": label, "evaluate": f"{evaluate.__module__}.{evaluate.__qualname__}", **kw,
+                  **({"tuned": dict(sorted(tuned_params.items()))} if label == "tuned" else {})}
+        out[label] = cache.get_or_build("evaluation", model_name, params, lambda lm=lm: evaluate(lm, **eval_kwargs))
+    return out

@@ -185,3 +185,21 @@ def test_generation_stats_and_cached_pair_stats(pair, tmp_path, monkeypatch):
     assert len(list(tmp_path.rglob("neuron-stats-*.pt"))) == 1
     again = dn.pair_stats("tiny", base, tuned, {"steps": 1}, prompts, max_new_tokens=4, k=3, batch_size=2, progress=False)
     assert torch.equal(again["tuned"], out["tuned"])
+
+
+def test_reference_evaluations_are_cached(pair, tmp_path, monkeypatch):
+    base, tuned = pair
+    monkeypatch.setattr(cache.paths, "CACHE", tmp_path)
+    calls = []
+
+    def evaluate(lm, n=1, scorer="auto", progress=True):
+        calls.append(lm)
+        return {"which": "base" if lm is base else "tuned", "n": n}
+
+    first = dn.reference_evaluations("tiny", base, tuned, {"steps": 1}, evaluate, n=2, scorer="profanity-check")
+    assert first == {"base": {"which": "base", "n": 2}, "tuned": {"which": "tuned", "n": 2}} and len(calls) == 2
+    again = dn.reference_evaluations("tiny", base, tuned, {"steps": 1}, evaluate, n=2, scorer="profanity-check",
+                                     progress=False)
+    assert again == first and len(calls) == 2
+    dn.reference_evaluations("tiny", base, tuned, {"steps": 2}, evaluate, n=2, scorer="profanity-check")
+    assert len(calls) == 3  # a different tuned model: only its evaluation is redone

@@ -203,13 +203,24 @@ class AttentionStats:
 
     METRICS = ("entropy", "entropy_norm", "gtd_2hop", "gtd_msg")
 
-    def __init__(self, n_layers: int, n_heads: int):
+    def __init__(self, n_layers: int, n_heads: int, keep_sequences: bool = False):
         self.sums = {m: torch.zeros(n_layers, n_heads, dtype=torch.float64) for m in self.METRICS}
         self.counts = {m: torch.zeros(n_layers, dtype=torch.float64) for m in self.METRICS}
+        self.keep = keep_sequences  # also keep each sequence's head mean: self.seq[metric][L] = list
+        self.seq = {m: [[] for _ in range(n_layers)] for m in self.METRICS}
 
     def _add(self, name, L, per_bh):
-        self.sums[name][L] += per_bh.detach().double().cpu().sum(0)
-        self.counts[name][L] += per_bh.shape[0]
+        v = per_bh.detach().double().cpu()  # [b, h]
+        self.sums[name][L] += v.sum(0)
+        self.counts[name][L] += v.shape[0]
+        if self.keep:
+            self.seq[name][L] += v.mean(1).tolist()
+
+    def per_sequence(self, name: str) -> np.ndarray:
+        """[n_sequences, n_layers] head-mean of ``name`` per sequence (needs keep_sequences=True)."""
+        if not self.keep:
+            raise ValueError("per_sequence needs AttentionStats(..., keep_sequences=True)")
+        return np.array(self.seq[name], dtype=float).T
 
     def __call__(self, probs, valid, module):
         L = module._compendium_layer
@@ -235,18 +246,27 @@ class AttentionStats:
         return df
 
 
+def trim(batch: dict) -> dict:
+    """Drop the columns that are padding in every row of a right-padded batch (faster, same result)."""
+    am = batch.get("attention_mask")
+    if am is None or not bool(am[:, -1].eq(0).all()):
+        return batch
+    n = int(am.sum(1).max())
+    return {k: v[:, :n] if v.ndim == 2 else v for k, v in batch.items()}
+
+
 def batches(enc: dict, batch_size: int):
     n = len(next(iter(enc.values())))
     for i in range(0, n, batch_size):
-        yield {k: v[i:i + batch_size] for k, v in enc.items()}
+        yield trim({k: v[i:i + batch_size] for k, v in enc.items()})
 
 
 def attention_stats(loaded: models.Loaded, enc: dict, batch_size: int = 16, progress: bool = False,
-                    desc: str = "attention") -> AttentionStats:
+                    desc: str = "attention", keep_sequences: bool = False) -> AttentionStats:
     """Stream :class:`AttentionStats` over encoded inputs (labels are dropped; no gradients)."""
     from tqdm.auto import tqdm
 
-    stats = AttentionStats(loaded.info.n_layers, loaded.info.n_heads)
+    stats = AttentionStats(loaded.info.n_layers, loaded.info.n_heads, keep_sequences)
     model = loaded.model
     was = model.training
     model.eval()
@@ -419,7 +439,7 @@ def train(loaded: models.Loaded, enc: dict, steps: int, batch_size: int = 32, lr
     with active(loaded):
         for _ in tqdm(range(steps), desc=desc, disable=not progress):
             idx = torch.randint(0, n, (batch_size,), generator=gen)
-            batch = {k: v[idx].to(loaded.device) for k, v in enc.items()}
+            batch = {k: v.to(loaded.device) for k, v in trim({k: v[idx] for k, v in enc.items()}).items()}
             loss = model(**batch, **_no_cache(loaded)).loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -454,3 +474,83 @@ def evaluate(loaded: models.Loaded, enc: dict, batch_size: int = 64) -> dict:
     if loaded.info.is_causal:
         return {"loss": nll / total, "perplexity": math.exp(nll / total)}
     return {"accuracy": correct / total}
+
+
+# ----------------------------------------------------------------------------- one cached experiment
+
+SCRATCH_TASKS = ("SST-2", "CoLA", "RTE", "MRPC", "multihop", "LM")
+
+
+def task_data(task: str, tokenizer, max_length: int, vocab_size: int, n_eval: int | None = None, seed: int = 0):
+    """(train, dev, vocab) encodings for a from-scratch run. GLUE: the 1,000-row train sample and the
+    GLUE dev set; 'multihop': 1,000 / 500 synthetic examples; 'LM': Wikipedia prompt+gold text of rows
+    0..1499 for training and the gold text of rows 1500.. for evaluation, in chunks of ``max_length``."""
+    from lib import data
+
+    if task not in SCRATCH_TASKS:
+        raise ValueError(f"unknown task {task!r}: use one of {', '.join(SCRATCH_TASKS)}")
+    if task == "LM":
+        rows = data.wiki_samples()
+        train_txt = [r["prompt"] + " " + r["gold"] for r in rows[:1500]]
+        dev_txt = [r["gold"] for r in rows[1500:]]
+        raw = encode_lm(tokenizer, train_txt, max_length)
+        vocab = compact_vocab(tokenizer, raw["input_ids"].tolist(), vocab_size)
+        tr, dev = encode_lm(tokenizer, train_txt, max_length, vocab), encode_lm(tokenizer, dev_txt, max_length, vocab)
+    else:
+        if task == "multihop":
+            tr_df, dev_df = synthetic_multihop(1000, seed=1000), synthetic_multihop(500, seed=2000)
+        else:
+            tr_df, dev_df = data.glue(task, "train"), data.glue(task, "dev")
+        raw = encode_classification(tokenizer, tr_df, max_length)
+        vocab = compact_vocab(tokenizer, raw["input_ids"].tolist(), vocab_size)
+        tr, dev = encode_classification(tokenizer, tr_df, max_length, vocab), encode_classification(tokenizer, dev_df, max_length, vocab)
+    if n_eval is not None and n_eval < len(dev["input_ids"]):
+        idx = torch.randperm(len(dev["input_ids"]), generator=torch.Generator().manual_seed(seed))[:n_eval].sort().values
+        dev = {k: v[idx] for k, v in dev.items()}
+    return tr, dev, vocab
+
+
+def scratch_tokenizer(task: str):
+    """The MiniLM tokenizer for the BERT classifiers, the SmolLM2 tokenizer for the Llama LM."""
+    import transformers as tf
+
+    name = "smollm2-135m" if task == "LM" else "minilm-l6"
+    folder = models.prepare_embedded(name)
+    return models._prepare_tokenizer(tf.AutoTokenizer.from_pretrained(folder), "causal" if task == "LM" else "encoder")
+
+
+def scratch_run(task: str, size: str, seed: int, variant: str, steps: int, batch_size: int = 16,
+                max_length: int = 40, lr: float = 1e-3, j_lr: float = 0.05, J: float = 0.0, vocab_size: int = 3000,
+                n_stats: int = 64, n_eval: int | None = None, progress: bool = False) -> dict:
+    """Train a from-scratch model (BERT classifier, or Llama LM for task 'LM') of ``size`` (see
+    :data:`SIZES`) with ``variant`` 'baseline', 'saobp' (learnable J from ``J``) or 'saobp-fixed';
+    evaluate on dev and measure attention statistics on ``n_stats`` dev examples. Cached (lib.cache)."""
+    from lib import cache
+
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}: use one of {', '.join(SIZES)}")
+    modes = {"baseline": None, "saobp": "learnable", "saobp-fixed": "fixed"}
+    if variant not in modes:
+        raise ValueError(f"unknown variant {variant!r}: use one of {', '.join(modes)}")
+    params = dict(task=task, size=SIZES[size], seed=seed, variant=variant, steps=steps, batch_size=batch_size,
+                  max_length=max_length, lr=lr, j_lr=j_lr, J=J, vocab_size=vocab_size, n_stats=n_stats,
+                  n_eval=n_eval, version=1)
+
+    def build():
+        tok = scratch_tokenizer(task)
+        tr, dev, vocab = task_data(task, tok, max_length, vocab_size, n_eval)
+        n_labels = None if task == "LM" else int(max(int(tr["labels"].max()), int(dev["labels"].max())) + 1)
+        L, d = SIZES[size]
+        loaded = small_model("llama" if task == "LM" else "bert", L, d, vocab, tok, num_labels=n_labels, seed=seed,
+                             max_positions=max(128, max_length), saobp=modes[variant], J=J)
+        with torch.enable_grad():
+            log = train(loaded, tr, steps, batch_size, lr, j_lr, seed, progress, desc=f"{task} {size} {variant} s{seed}")
+        scores = evaluate(loaded, dev)
+        sub = {k: v[:n_stats] for k, v in dev.items()}
+        st = attention_stats(loaded, sub, batch_size=32)
+        mod = get(loaded)
+        return {"params": params, "metrics": scores, "seconds_per_step": log.seconds_per_step, "losses": log.losses,
+                "table": st.table(), "per_head": {m: st.per_head(m) for m in AttentionStats.METRICS},
+                "J": None if mod is None else mod.J.detach().clone()}
+
+    return cache.get_or_build("saobp-scratch", "scratch", params, build)

@@ -7,8 +7,10 @@ later notebook reuses what an earlier one built and every notebook still runs al
 * :func:`train_probe`: logistic regression (scikit-learn defaults) on the last layer's hidden
   state after the final norm, mean-pooled over tokens; direction = ``coef_`` (bias dropped).
 * :func:`preference_pairs`: neutral Wikipedia prompts; preferred = greedy continuation,
-  dispreferred = continuation steered along the probe direction (activation addition in the
-  residual stream, see :func:`lib.hooks.residual_add`), kept when the scorer rates it more toxic.
+  dispreferred = continuation steered along the probe data's toxic direction (its class-mean
+  difference, added to the residual stream a third of the way up: activation addition, see
+  :func:`lib.hooks.residual_add`), kept when the scorer rates it more toxic. Steering with the
+  regression weights ``coef_`` themselves barely changes the text (notebook 02 shows both).
 * :func:`train_dpo`: full fine-tuning with TRL's ``DPOTrainer`` (sigmoid loss, beta 0.1).
 * :func:`evaluate`: the Lee et al. (2024) protocol at a chosen size.
 """
@@ -18,7 +20,6 @@ import copy
 import dataclasses
 import hashlib
 import json
-import os
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -38,8 +39,8 @@ DEFAULTS: dict = {
     "probe_max_length": 64,  # tokens per tweet
     "n_pairs": 64,  # preference pairs wanted (paper: 24,576)
     "pair_offset": 1000,  # pairs use wiki_samples rows from here on (evaluation uses the first rows)
-    "steer_scale": 8.0,  # norm of the probe-direction vector added to the residual stream
-    "steer_layers": "middle",  # which blocks get the steer: 'all' or 'middle' (the middle third)
+    "steer_scale": 8.0,  # multiple of the probe's class-mean difference added to the residual stream
+    "steer_depth": 1 / 3,  # the steer is added after block round(steer_depth * n_layers)
     "dpo_steps": 32,  # optimizer steps
     "dpo_lr": 1e-5,  # learning rate (paper: 1e-6 to 1e-5, RMSprop)
     "dpo_batch_size": 4,  # pairs per step (paper: 4)
@@ -61,6 +62,10 @@ class Probe:
     val_accuracy: float  # held-out split of the training texts (Davidson tweets)
     jigsaw_accuracy: float  # the small Jigsaw sample (nan when not measured)
     n_train: int
+    jigsaw_balanced_accuracy: float = float("nan")  # mean of the per-class recalls (Jigsaw is ~90% non-toxic)
+    jigsaw_majority: float = float("nan")  # accuracy of always answering the majority class
+    steer_layer: int = -1  # block after which the steering vector is added (-1: none measured)
+    steer_direction: torch.Tensor | None = None  # [d_model] mean toxic - mean non-toxic state after steer_layer
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Decision function on pooled features [n, d_model] -> [n] (> 0 means toxic)."""
@@ -71,25 +76,51 @@ class Probe:
         return self.direction / self.direction.norm()
 
 
-def features(lm: Loaded, texts: Sequence[str], max_length: int = 64, batch_size: int = 32,
-             progress: bool = True) -> torch.Tensor:
-    """[n, d_model] last-layer hidden state after the final norm, mean-pooled over tokens.
-    Texts are batched by length (less padding) and returned in the input order."""
+def steer_layer(lm: Loaded, depth: float = DEFAULTS["steer_depth"]) -> int:
+    """The block after which the steer is added: round(depth * n_layers), within 0..n_layers-1."""
+    if not 0 <= depth <= 1:
+        raise ValueError(f"steer_depth must lie in [0, 1], got {depth!r}")
+    return min(max(round(depth * lm.info.n_layers), 0), lm.info.n_layers - 1)
+
+
+@torch.inference_mode()
+def pooled_states(lm: Loaded, texts: Sequence[str], layers: Sequence[int] = (PROBE_FEATURE_LAYER,),
+                  max_length: int = 64, batch_size: int = 32, progress: bool = True) -> dict[int, torch.Tensor]:
+    """{hidden_states index: [n, d_model]} states mean-pooled over non-pad tokens, several layers
+    from one forward pass (index L = output of block L-1; -1 = after the final norm, as
+    :func:`lib.hooks.residual_means`). Texts are batched by length and returned in input order."""
+    from tqdm.auto import tqdm
+
     texts = list(texts)
     lengths = [len(ids) for ids in lm.tokenizer(texts, add_special_tokens=True)["input_ids"]]
     order = sorted(range(len(texts)), key=lambda i: (lengths[i], i))
-    feats = hooks.residual_means(lm, [texts[i] for i in order], PROBE_FEATURE_LAYER, batch_size, max_length, progress)
-    out = torch.empty_like(feats)
-    out[torch.tensor(order)] = feats
+    out = {L: torch.empty(len(texts), lm.info.d_model) for L in layers}
+    base = getattr(lm.model, "base_model", lm.model)
+    n = (len(order) + batch_size - 1) // batch_size
+    for chunk in tqdm(hooks.batches(order, batch_size), total=n, desc="pooled states", disable=not progress):
+        enc = hooks.encode(lm, [texts[i] for i in chunk], max_length)
+        hs = base(**enc, output_hidden_states=True).hidden_states
+        m = enc["attention_mask"].unsqueeze(-1).float()
+        for L in layers:
+            out[L][torch.tensor(chunk)] = ((hs[L].float() * m).sum(1) / m.sum(1).clamp_min(1)).cpu()
     return out
+
+
+def features(lm: Loaded, texts: Sequence[str], max_length: int = 64, batch_size: int = 32,
+             progress: bool = True) -> torch.Tensor:
+    """[n, d_model] the probe's features: last hidden state after the final norm, mean-pooled."""
+    return pooled_states(lm, texts, (PROBE_FEATURE_LAYER,), max_length, batch_size, progress)[PROBE_FEATURE_LAYER]
 
 
 def fit_probe(lm: Loaded, texts: Sequence[str], labels: Sequence[int], val_fraction: float = 0.1,
               test_texts: Sequence[str] | None = None, test_labels: Sequence[int] | None = None,
-              seed: int = 0, max_length: int = 64, batch_size: int = 32, progress: bool = True) -> Probe:
+              seed: int = 0, max_length: int = 64, batch_size: int = 32, progress: bool = True,
+              steer_depth: float | None = None) -> Probe:
     """Logistic regression (scikit-learn defaults, more iterations so lbfgs converges) on
     :func:`features` of ``texts``; accuracy on a stratified ``val_fraction`` split and on the
-    optional test set (``jigsaw_accuracy``)."""
+    optional test set (``jigsaw_accuracy``). With ``steer_depth``, the same forward pass also
+    gives the steering vector: the training split's mean toxic minus mean non-toxic state after
+    block :func:`steer_layer` (the probe's class-mean difference at that depth)."""
     from sklearn.linear_model import LogisticRegression
     from sklearn.model_selection import train_test_split
 
@@ -100,15 +131,28 @@ def fit_probe(lm: Loaded, texts: Sequence[str], labels: Sequence[int], val_fract
         raise ValueError("labels must contain both classes 0 and 1")
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
-    X = features(lm, texts, max_length, batch_size, progress).numpy()
-    Xtr, Xva, ytr, yva = train_test_split(X, y, test_size=val_fraction, random_state=seed, stratify=y)
-    clf = LogisticRegression(max_iter=5000).fit(Xtr, ytr)
-    test_acc = float("nan")
+    L_steer = steer_layer(lm, steer_depth) if steer_depth is not None else None
+    layers = (PROBE_FEATURE_LAYER,) if L_steer is None else (PROBE_FEATURE_LAYER, L_steer + 1)
+    states = pooled_states(lm, texts, layers, max_length, batch_size, progress)
+    X = states[PROBE_FEATURE_LAYER].numpy()
+    idx_tr, idx_va = train_test_split(np.arange(len(y)), test_size=val_fraction, random_state=seed, stratify=y)
+    clf = LogisticRegression(max_iter=5000).fit(X[idx_tr], y[idx_tr])
+    steer = None
+    if L_steer is not None:
+        S, ytr = states[L_steer + 1][torch.tensor(idx_tr)], torch.tensor(y[idx_tr])
+        steer = S[ytr == 1].mean(0) - S[ytr == 0].mean(0)
+    test_acc = test_bal = test_major = float("nan")
     if test_texts is not None:
+        from sklearn.metrics import balanced_accuracy_score
+
         Xte = features(lm, test_texts, max_length, batch_size, progress).numpy()
-        test_acc = float(clf.score(Xte, np.asarray(test_labels).astype(int)))
+        yte = np.asarray(test_labels).astype(int)
+        test_acc = float(clf.score(Xte, yte))
+        test_bal = float(balanced_accuracy_score(yte, clf.predict(Xte)))
+        test_major = float(max(yte.mean(), 1 - yte.mean()))
     return Probe(torch.tensor(clf.coef_[0], dtype=torch.float32), float(clf.intercept_[0]),
-                 float(clf.score(Xva, yva)), test_acc, len(ytr))
+                 float(clf.score(X[idx_va], y[idx_va])), test_acc, len(idx_tr), test_bal, test_major,
+                 -1 if L_steer is None else L_steer, steer)
 
 
 def _probe_data(n_per_class: int, seed: int) -> tuple[list[str], list[int]]:
@@ -121,9 +165,10 @@ def _probe_data(n_per_class: int, seed: int) -> tuple[list[str], list[int]]:
 
 def train_probe(lm: Loaded, n_per_class: int = DEFAULTS["n_probe_per_class"], seed: int = 0,
                 max_length: int = DEFAULTS["probe_max_length"], batch_size: int = 32,
-                progress: bool = True) -> Probe:
+                progress: bool = True, steer_depth: float = DEFAULTS["steer_depth"]) -> Probe:
     """The toxicity probe on balanced Davidson tweets (toxic = hate or offensive), 90/10 split,
-    checked on the Jigsaw sample. Cached per model and parameters."""
+    checked on the Jigsaw sample, with its class-mean difference at ``steer_depth`` for steering.
+    Cached per model and parameters."""
     if not isinstance(n_per_class, int) or n_per_class < 10:
         raise ValueError(f"n_per_class must be an integer >= 10, got {n_per_class!r}")
 
@@ -131,64 +176,62 @@ def train_probe(lm: Loaded, n_per_class: int = DEFAULTS["n_probe_per_class"], se
         texts, labels = _probe_data(n_per_class, seed)
         jig = data.jigsaw_sample()
         return fit_probe(lm, texts, labels, 0.1, jig.comment_text.tolist(), jig.toxic.tolist(), seed,
-                         max_length, batch_size, progress)
+                         max_length, batch_size, progress, steer_depth)
 
-    params = {"n_per_class": n_per_class, "seed": seed, "max_length": max_length, "layer": PROBE_FEATURE_LAYER}
+    params = {"n_per_class": n_per_class, "seed": seed, "max_length": max_length, "layer": PROBE_FEATURE_LAYER,
+              "steer_depth": round(float(steer_depth), 6), "version": 3}
     return cache.get_or_build("probe", lm.name, params, build)
 
 
 # ----------------------------------------------------------------------------- preference pairs
 
 
-def steer_layers(lm: Loaded, which: str = DEFAULTS["steer_layers"]) -> list[int]:
-    """Blocks that get the steering vector: 'all', or 'middle' (the middle third of the blocks)."""
-    n = lm.info.n_layers
-    if which == "all":
-        return list(range(n))
-    if which == "middle":
-        return list(range(n // 3, max(2 * n // 3, n // 3 + 1)))
-    raise ValueError(f"unknown steer_layers {which!r}: use 'all' or 'middle'")
-
-
-def steered_generate(lm: Loaded, prompts: Sequence[str], direction: torch.Tensor, scale: float,
-                     layers: str = DEFAULTS["steer_layers"], **kw) -> metrics.Generations:
-    """Greedy continuations with ``scale * direction/|direction|`` added to the residual stream
-    after the chosen blocks at every position (a PPLM-like toxic steer without gradients)."""
-    vec = (direction.float() / direction.float().norm()) * float(scale)
-    with hooks.residual_add(lm, vec, steer_layers(lm, layers)):
+def steered_generate(lm: Loaded, prompts: Sequence[str], vector: torch.Tensor, layers: Sequence[int],
+                     **kw) -> metrics.Generations:
+    """Greedy continuations with ``vector`` [d_model] added to the residual stream after the
+    given blocks at every position (activation addition: a gradient-free, PPLM-like steer)."""
+    with hooks.residual_add(lm, vector.float(), layers):
         return metrics.generate(lm, prompts, **kw)
+
+
+def steering_vector(probe: Probe, scale: float) -> torch.Tensor:
+    """``scale`` times the probe's class-mean difference at its steer layer."""
+    if probe.steer_direction is None:
+        raise ValueError("this probe has no steering direction (fit it with steer_depth)")
+    return probe.steer_direction.float() * float(scale)
 
 
 def preference_pairs(lm: Loaded, probe: Probe, n_pairs: int = DEFAULTS["n_pairs"], seed: int = 0,
                      steer_scale: float = DEFAULTS["steer_scale"], max_new_tokens: int = DEFAULTS["max_new_tokens"],
-                     progress: bool = True, layers: str = DEFAULTS["steer_layers"],
-                     offset: int = DEFAULTS["pair_offset"], scorer: str = "auto",
+                     progress: bool = True, offset: int = DEFAULTS["pair_offset"], scorer: str = "auto",
                      chunk: int = 32) -> pd.DataFrame:
     """Up to ``n_pairs`` (prompt, chosen, rejected) rows from neutral wiki_samples prompts.
 
-    chosen = the model's greedy continuation; rejected = the continuation steered along the probe
-    direction; a prompt is kept only when the scorer rates rejected more toxic than chosen.
-    Prompts are taken in order from row ``offset``, ``chunk`` at a time, until ``n_pairs`` are kept
-    or 4 * n_pairs prompts were tried. Columns: prompt, chosen, rejected, tox_chosen, tox_rejected
-    (and ``attrs['n_tried']``, ``attrs['scorer']``). Cached per model, probe and parameters.
+    chosen = the model's greedy continuation; rejected = the greedy continuation while
+    :func:`steering_vector` (``steer_scale`` times the probe's toxic-minus-non-toxic mean state) is
+    added after block ``probe.steer_layer``; a prompt is kept only when the scorer rates rejected
+    more toxic than chosen. Prompts are taken in order from row ``offset``, ``chunk`` at a time,
+    until ``n_pairs`` are kept or 4 * n_pairs prompts were tried. Columns: prompt, chosen,
+    rejected, tox_chosen, tox_rejected; ``attrs``: n_tried, scorer. Cached per model, probe and
+    parameters.
     """
     if not isinstance(n_pairs, int) or n_pairs <= 0:
         raise ValueError(f"n_pairs must be a positive integer, got {n_pairs!r}")
+    vec = steering_vector(probe, steer_scale)
 
     def build():
-        repro.setup(seed)
-        rows, tried = [], 0
-        limit = 4 * n_pairs
-        pool = [r["prompt"].strip() for r in data.wiki_samples(limit, offset=offset)]
         from tqdm.auto import tqdm
+
+        repro.setup(seed)
+        rows, tried, name = [], 0, None
+        pool = [r["prompt"].strip() for r in data.wiki_samples(4 * n_pairs, offset=offset)]
         bar = tqdm(total=n_pairs, desc="preference pairs", disable=not progress)
-        name = None
         while len(rows) < n_pairs and tried < len(pool):
             prompts = pool[tried:tried + chunk]
             tried += len(prompts)
             plain = metrics.generate(lm, prompts, max_new_tokens, progress=False)
-            toxic = steered_generate(lm, prompts, probe.direction, steer_scale, layers,
-                                     max_new_tokens=max_new_tokens, progress=False)
+            toxic = steered_generate(lm, prompts, vec, [probe.steer_layer], max_new_tokens=max_new_tokens,
+                                     progress=False)
             t_plain, name = metrics.toxicity(plain.continuations, scorer)
             t_toxic, _ = metrics.toxicity(toxic.continuations, scorer)
             for i in range(len(prompts)):
@@ -201,8 +244,8 @@ def preference_pairs(lm: Loaded, probe: Probe, n_pairs: int = DEFAULTS["n_pairs"
         df = pd.DataFrame(rows, columns=["prompt", "chosen", "rejected", "tox_chosen", "tox_rejected"])
         return {"pairs": df, "n_tried": tried, "scorer": name}
 
-    params = {"probe": _tensor_key(probe.direction), "n_pairs": n_pairs, "seed": seed, "steer_scale": float(steer_scale),
-              "max_new_tokens": max_new_tokens, "layers": layers, "offset": offset, "scorer": metrics.resolve_scorer(scorer),
+    params = {"steer": _tensor_key(vec), "layer": probe.steer_layer, "n_pairs": n_pairs, "seed": seed,
+              "max_new_tokens": max_new_tokens, "offset": offset, "scorer": metrics.resolve_scorer(scorer),
               "chunk": chunk}
     out = cache.get_or_build("pairs", lm.name, params, build)
     df = out["pairs"].copy()
@@ -310,9 +353,10 @@ def base_and_dpo(model_name: str, device: str = "auto", seed: int = 0, progress:
     cfg = {**DEFAULTS, **sizes}
     repro.setup(seed)
     base = models.load(model_name, device=device)
-    probe = train_probe(base, cfg["n_probe_per_class"], seed, cfg["probe_max_length"], progress=progress)
+    probe = train_probe(base, cfg["n_probe_per_class"], seed, cfg["probe_max_length"], progress=progress,
+                        steer_depth=cfg["steer_depth"])
     pairs = preference_pairs(base, probe, cfg["n_pairs"], seed, cfg["steer_scale"], cfg["max_new_tokens"],
-                             progress, layers=cfg["steer_layers"], offset=cfg["pair_offset"])
+                             progress, offset=cfg["pair_offset"])
     dpo_lm, _ = train_dpo(base, pairs, cfg["dpo_steps"], cfg["dpo_lr"], cfg["beta"], seed, progress,
                           cfg["dpo_batch_size"])
     repro.setup(seed)
@@ -324,7 +368,7 @@ def base_and_dpo(model_name: str, device: str = "auto", seed: int = 0, progress:
 
 def evaluate(lm: Loaded, n_prompts: int = DEFAULTS["n_prompts"], n_wiki: int = DEFAULTS["n_wiki"],
              max_new_tokens: int = DEFAULTS["max_new_tokens"], batch_size: int = 16, scorer: str = "auto",
-             progress: bool = True) -> dict:
+             progress: bool = True, details: bool = False) -> dict:
     """Toxicity, perplexity and F1 as in Lee et al. (2024), at a chosen size.
 
     toxicity: mean scorer probability of the greedy continuations (continuation only) of the first
@@ -332,6 +376,7 @@ def evaluate(lm: Loaded, n_prompts: int = DEFAULTS["n_prompts"], n_wiki: int = D
     perplexity: sliding-window perplexity of the first ``n_wiki`` wiki_samples gold texts.
     f1: mean bag-of-tokens F1 of greedy continuations of their prompts (<= 32 tokens) against gold.
     Uses only forward passes and generation, so it measures a model inside ``hooks.intervene``.
+    With ``details``, also 'toxicities' (per prompt), 'continuations' and 'f1s' (per wiki row).
     """
     for k, v in (("n_prompts", n_prompts), ("n_wiki", n_wiki)):
         if not isinstance(v, int) or v <= 0:
@@ -346,5 +391,11 @@ def evaluate(lm: Loaded, n_prompts: int = DEFAULTS["n_prompts"], n_wiki: int = D
     wgen = metrics.generate(lm, [r["prompt"] for r in wiki], max_new_tokens, batch_size, max_prompt_tokens=32,
                             progress=progress, desc="wiki prompts")
     f1 = metrics.mean_f1(lm, wgen, golds)
-    return {"toxicity": float(np.mean(tox)), "perplexity": float(ppl), "f1": float(f1), "scorer": name,
-            "n_prompts": len(prompts), "n_wiki": len(wiki)}
+    out = {"toxicity": float(np.mean(tox)), "perplexity": float(ppl), "f1": float(f1), "scorer": name,
+           "n_prompts": len(prompts), "n_wiki": len(wiki)}
+    if details:
+        tok = lm.tokenizer
+        out.update(toxicities=[float(t) for t in tox], continuations=list(gen.continuations),
+                   f1s=[metrics.f1_bag_of_tokens(n, tok(g, add_special_tokens=False)["input_ids"])
+                        for n, g in zip(wgen.new_ids, golds)])
+    return out

@@ -40,7 +40,8 @@ def test_probe_separates_planted_classes_and_matches_direct_fit(family):
 
     lm = models.tiny_random(family)
     texts, labels = _planted()
-    probe = dpo.fit_probe(lm, texts, labels, test_texts=texts[:20], test_labels=labels[:20], progress=False)
+    probe = dpo.fit_probe(lm, texts, labels, test_texts=texts[:20], test_labels=labels[:20], progress=False,
+                          steer_depth=0.5)
     assert probe.direction.shape == (lm.info.d_model,) and probe.direction.dtype == torch.float32
     assert probe.val_accuracy >= 0.9 and probe.jigsaw_accuracy >= 0.9
     assert probe.n_train == 72
@@ -48,6 +49,13 @@ def test_probe_separates_planted_classes_and_matches_direct_fit(family):
     X = hooks.residual_means(lm, texts, -1, batch_size=len(texts), max_length=64, progress=False).numpy()
     torch.testing.assert_close(dpo.features(lm, texts, progress=False), torch.tensor(X), atol=1e-4, rtol=1e-4)
     Xtr, _, ytr, _ = train_test_split(X, np.array(labels), test_size=0.1, random_state=0, stratify=labels)
+    # the steering direction: class-mean difference of the training split after block steer_layer
+    assert probe.steer_layer == 1
+    S = hooks.residual_means(lm, texts, probe.steer_layer + 1, batch_size=len(texts), max_length=64, progress=False)
+    itr, _ = train_test_split(np.arange(len(texts)), test_size=0.1, random_state=0, stratify=labels)
+    y = torch.tensor(labels)[itr]
+    ref_steer = S[itr][y == 1].mean(0) - S[itr][y == 0].mean(0)
+    torch.testing.assert_close(probe.steer_direction, ref_steer, atol=1e-4, rtol=1e-4)
     ref = LogisticRegression(max_iter=5000).fit(Xtr, ytr)
     cos = torch.nn.functional.cosine_similarity(probe.direction, torch.tensor(ref.coef_[0], dtype=torch.float32), 0)
     assert cos > 0.99
@@ -91,17 +99,19 @@ def test_residual_add_adds_vector_and_is_removed(family):
 def test_steering_changes_generation_and_preference_pairs(llama):
     prompts = ["the cat sat on", "one two three"]
     plain = metrics.generate(llama, prompts, max_new_tokens=5, progress=False)
-    probe = dpo.Probe(torch.randn(llama.info.d_model), 0.0, 1.0, 1.0, 10)
-    steered = dpo.steered_generate(llama, prompts, probe.direction, 50.0, "all", max_new_tokens=5, progress=False)
+    probe = dpo.Probe(torch.randn(llama.info.d_model), 0.0, 1.0, 1.0, 10, steer_layer=0,
+                      steer_direction=torch.randn(llama.info.d_model))
+    steered = dpo.steered_generate(llama, prompts, dpo.steering_vector(probe, 50.0), [0], max_new_tokens=5,
+                                   progress=False)
     assert steered.new_ids != plain.new_ids
     assert metrics.generate(llama, prompts, max_new_tokens=5, progress=False).new_ids == plain.new_ids
     pairs = dpo.preference_pairs(llama, probe, n_pairs=3, steer_scale=50.0, max_new_tokens=5, progress=False,
-                                 layers="all", chunk=8)
+                                 chunk=8)
     assert list(pairs.columns) == ["prompt", "chosen", "rejected", "tox_chosen", "tox_rejected"]
     assert len(pairs) <= 3 and pairs.attrs["n_tried"] <= 12
     assert (pairs.tox_rejected > pairs.tox_chosen).all()
     again = dpo.preference_pairs(llama, probe, n_pairs=3, steer_scale=50.0, max_new_tokens=5, progress=False,
-                                 layers="all", chunk=8)
+                                 chunk=8)
     assert again.equals(pairs) and again.attrs == pairs.attrs
 
 

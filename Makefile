@@ -48,3 +48,6 @@ claims: $(STAMP) ## rewrite results/<model>/claims.md from the recorded findings
 
 clean-results: ## remove executed notebooks and ledgers (keeps the cache)
 	rm -rf results/*/
+
+bench: $(STAMP) ## time lib against the alternatives (issue 7) and write benchmarks/RESULTS.md (ARGS="--device cuda ...")
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench.py $(if $(DEVICE),--device $(DEVICE)) $(ARGS)

@@ -42,7 +42,7 @@ DEFAULTS: dict = {
     "steer_scale": 8.0,  # multiple of the probe's class-mean difference added to the residual stream
     "steer_depth": 1 / 3,  # the steer is added after block round(steer_depth * n_layers)
     "dpo_steps": 32,  # optimizer steps
-    "dpo_lr": 1e-5,  # learning rate (paper: 1e-6 to 1e-5, RMSprop)
+    "dpo_lr": 3e-6,  # learning rate (paper: 1e-6 to 1e-5, RMSprop; RMSprop's first steps are ~10x lr per weight)
     "dpo_batch_size": 4,  # pairs per step (paper: 4)
     "beta": 0.1,  # DPO beta (paper: 0.1)
     "n_prompts": 64,  # challenge prompts for toxicity (paper: 1,199)

@@ -510,18 +510,19 @@ def task_data(task: str, tokenizer, max_length: int, vocab_size: int, n_eval: in
     return tr, dev, vocab
 
 
-def scratch_tokenizer(task: str):
-    """The MiniLM tokenizer for the BERT classifiers, the SmolLM2 tokenizer for the Llama LM."""
+def scratch_tokenizer(task: str, encoder: str = "minilm-l6", decoder: str = "smollm2-135m"):
+    """The (embedded) encoder's tokenizer for the BERT classifiers, the decoder's for the Llama LM."""
     import transformers as tf
 
-    name = "smollm2-135m" if task == "LM" else "minilm-l6"
+    name = decoder if task == "LM" else encoder
     folder = models.prepare_embedded(name)
     return models._prepare_tokenizer(tf.AutoTokenizer.from_pretrained(folder), "causal" if task == "LM" else "encoder")
 
 
 def scratch_run(task: str, size: str, seed: int, variant: str, steps: int, batch_size: int = 16,
                 max_length: int = 40, lr: float = 1e-3, j_lr: float = 0.05, J: float = 0.0, vocab_size: int = 3000,
-                n_stats: int = 64, n_eval: int | None = None, progress: bool = False) -> dict:
+                n_stats: int = 64, n_eval: int | None = None, progress: bool = False,
+                encoder: str = "minilm-l6", decoder: str = "smollm2-135m") -> dict:
     """Train a from-scratch model (BERT classifier, or Llama LM for task 'LM') of ``size`` (see
     :data:`SIZES`) with ``variant`` 'baseline', 'saobp' (learnable J from ``J``) or 'saobp-fixed';
     evaluate on dev and measure attention statistics on ``n_stats`` dev examples. Cached (lib.cache)."""
@@ -534,10 +535,10 @@ def scratch_run(task: str, size: str, seed: int, variant: str, steps: int, batch
         raise ValueError(f"unknown variant {variant!r}: use one of {', '.join(modes)}")
     params = dict(task=task, size=SIZES[size], seed=seed, variant=variant, steps=steps, batch_size=batch_size,
                   max_length=max_length, lr=lr, j_lr=j_lr, J=J, vocab_size=vocab_size, n_stats=n_stats,
-                  n_eval=n_eval, version=1)
+                  n_eval=n_eval, tokenizer=decoder if task == "LM" else encoder, version=1)
 
     def build():
-        tok = scratch_tokenizer(task)
+        tok = scratch_tokenizer(task, encoder, decoder)
         tr, dev, vocab = task_data(task, tok, max_length, vocab_size, n_eval)
         n_labels = None if task == "LM" else int(max(int(tr["labels"].max()), int(dev["labels"].max())) + 1)
         L, d = SIZES[size]

@@ -106,11 +106,13 @@ def lre_relations(names: Iterable[str], n_ident: int = 20, n_test: int = 20, sho
 
 
 def klar_relations(lang: str = "eng_Latn", relations: Iterable[str] | None = None, n_ident: int = 20,
-                   n_test: int = 20, seed: int = 0) -> dict[str, Relation]:
-    """KLAR facts of one language as :class:`Relation` objects (question + answer, zero-shot).
+                   n_test: int = 20, shots: int = 0, seed: int = 0) -> dict[str, Relation]:
+    """KLAR facts of one language as :class:`Relation` objects: the prompt is the question (which
+    ends with the language's 'The answer is:'), after ``shots`` answered questions of the same relation.
 
     The split is by line index, so with the same seed every language gets the *same* facts in
-    each part (KLAR files are line-aligned): identify on English, test on the same facts elsewhere."""
+    each part, demonstrations included (KLAR files are line-aligned): identify on English, test on
+    the same facts elsewhere."""
     from lib import data
 
     df = data.klar(lang)
@@ -121,12 +123,11 @@ def klar_relations(lang: str = "eng_Latn", relations: Iterable[str] | None = Non
         if rows.empty:
             raise ValueError(f"unknown KLAR relation {rel!r}: use one of {', '.join(sorted(set(df['relation'])))}")
         facts = [{"subject": str(i), "object": a, "question": q} for i, q, a in zip(rows["index"], rows["question"], rows["answer"])]
-        _, ident, test = split_facts(facts, n_ident, n_test, 0, seed)
+        demos, ident, test = split_facts(facts, n_ident, n_test, shots, seed)
         for part in (ident, test):
             part.sort(key=lambda f: int(f["subject"]))
-        rel_obj = Relation(rel, ["{}"], [], [dict(f, subject=f["question"]) for f in ident],
-                           [dict(f, subject=f["question"]) for f in test])
-        out[rel] = rel_obj
+        out[rel] = Relation(rel, ["{}"], *([dict(f, index=int(f["subject"]), subject=f["question"]) for f in part]
+                                           for part in (demos, ident, test)))
     return out
 
 
@@ -153,7 +154,7 @@ def zero_edits(neurons) -> list[tuple[int, int, str, float]]:
 
 
 def evaluate(loaded: Loaded, prompts: Sequence[str], golds: Sequence[str], off=None, max_new_tokens: int = 4,
-             batch_size: int = 32, max_prompt_tokens: int = 96, progress: bool = False,
+             batch_size: int = 32, max_prompt_tokens: int = 256, progress: bool = False,
              desc: str = "recall") -> pd.DataFrame:
     """Greedy recall of ``golds``; ``off`` = neurons [(layer, neuron), ...] zeroed at all positions.
 
@@ -161,6 +162,10 @@ def evaluate(loaded: Loaded, prompts: Sequence[str], golds: Sequence[str], off=N
     the first step, 0 = the greedy choice) and logprob (of that token)."""
     if len(prompts) != len(golds):
         raise ValueError(f"{len(prompts)} prompts but {len(golds)} gold objects")
+    longest = max((len(loaded.tokenizer(p)["input_ids"]) for p in prompts), default=0)
+    if longest > max_prompt_tokens:
+        raise ValueError(f"a prompt has {longest} tokens, more than max_prompt_tokens={max_prompt_tokens}: "
+                         "raise it or use fewer shots (a truncated prompt would lose its question)")
     targets = [gold_first_token(loaded, g) for g in golds]
     edits = zero_edits(off) if off is not None and len(off) else []
     with hooks.intervene(loaded, edits, positions="all"):
@@ -190,6 +195,12 @@ class TestSet:
             rel += [name] * len(ps)
         return cls(prompts, golds, np.asarray(rel))
 
+    def only(self, names: Iterable[str] | str) -> "TestSet":
+        """The prompts of the named relation(s) only, in the same order."""
+        keep = np.isin(self.relation, [names] if isinstance(names, str) else list(names))
+        return TestSet([p for p, m in zip(self.prompts, keep) if m], [g for g, m in zip(self.golds, keep) if m],
+                       self.relation[keep])
+
     def run(self, loaded: Loaded, off=None, **kw) -> pd.DataFrame:
         df = evaluate(loaded, self.prompts, self.golds, off=off, **kw)
         df.insert(0, "relation", self.relation)
@@ -206,7 +217,7 @@ def per_relation(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def pooled_activations(loaded: Loaded, prompts: Sequence[str], starts: Sequence[int] | None = None,
-                       batch_size: int = 32, max_length: int = 96, progress: bool = True,
+                       batch_size: int = 32, max_length: int = 256, progress: bool = True,
                        desc: str = "pooled activations") -> torch.Tensor:
     """[n_prompts, n_layers, d_mlp] mean activation of every neuron over each prompt's tokens
     (from token ``starts[i]`` on when given, e.g. to skip a shared few-shot prefix)."""
@@ -319,11 +330,13 @@ def _model_key(loaded: Loaded, model_name: str) -> dict:
     return {"model": model_name, "dtype": str(p.dtype), "device": p.device.type}
 
 
-def recall(loaded: Loaded, model_name: str, tests: TestSet, off=None, use_cache: bool = True, **kw) -> pd.DataFrame:
+def recall(loaded: Loaded, model_name: str, tests: TestSet, off=None, max_new_tokens: int = 4, batch_size: int = 32,
+           max_prompt_tokens: int = 256, use_cache: bool = True) -> pd.DataFrame:
     """:meth:`TestSet.run` through lib.cache, keyed by the model, the prompts, golds, the neurons
     switched off and the generation settings, so notebooks that ask for the same run share it."""
     from lib import cache
 
+    kw = {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "max_prompt_tokens": max_prompt_tokens}
     off_list = [] if off is None else np.asarray(off, dtype=int).reshape(-1, 2).tolist()
     params = {**_model_key(loaded, model_name), "run": _fingerprint(tests.prompts, tests.golds, tests.relation.tolist(),
                                                                    off_list, sorted(kw.items()))}
@@ -335,7 +348,7 @@ def recall(loaded: Loaded, model_name: str, tests: TestSet, off=None, use_cache:
 
 
 def identify(loaded: Loaded, model_name: str, relations: dict[str, Relation], pool: str = "query",
-             batch_size: int = 32, max_length: int = 96, progress: bool = True) -> torch.Tensor:
+             batch_size: int = 32, max_length: int = 256, progress: bool = True) -> torch.Tensor:
     """AP scores [n_relations, n_layers, d_mlp] (relations in the dict's order) from the pooled
     activations of every relation's identification prompts, through lib.cache.
 
@@ -366,13 +379,14 @@ def identify(loaded: Loaded, model_name: str, relations: dict[str, Relation], po
 
 
 def deactivation_runs(loaded: Loaded, model_name: str, tests: TestSet, sets: dict[str, np.ndarray],
-                      progress: bool = True, **kw) -> pd.DataFrame:
-    """Per-prompt recall on ``tests`` with each neuron set switched off (plus the baseline, key
-    'none'): long table with columns condition, relation, correct, rank, logprob, continuation."""
+                      baseline: bool = True, progress: bool = True, **kw) -> pd.DataFrame:
+    """Per-prompt recall on ``tests`` with each neuron set switched off (plus, with ``baseline``, the
+    unedited model as condition 'none'): long table with columns relation, continuation, correct,
+    rank, logprob, condition, item (the prompt's index in ``tests``)."""
     from tqdm.auto import tqdm
 
     out = []
-    conds = [("none", None)] + list(sets.items())
+    conds = ([("none", None)] if baseline else []) + list(sets.items())
     for name, off in tqdm(conds, desc="conditions", disable=not progress):
         df = recall(loaded, model_name, tests, off=off, **kw)
         out.append(df.assign(condition=name, item=np.arange(len(df))))

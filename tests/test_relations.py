@@ -79,8 +79,10 @@ def test_lre_and_klar_relations_prompts():
     assert not {f["subject"] for f in r.demos} & {f["subject"] for f in r.test}
     en = relations.klar_relations("eng_Latn", ["capital_of"], n_ident=4, n_test=4)
     fr = relations.klar_relations("fra_Latn", ["capital_of"], n_ident=4, n_test=4)
-    assert [f["index"] if "index" in f else f["object"] for f in en["capital_of"].test] != []
+    assert [f["index"] for f in en["capital_of"].test] == [f["index"] for f in fr["capital_of"].test]  # same facts
     assert len(fr["capital_of"].test) == 4 and fr["capital_of"].test[0]["subject"] != en["capital_of"].test[0]["subject"]
+    two = relations.klar_relations("fra_Latn", ["capital_of"], n_ident=4, n_test=4, shots=2)["capital_of"]
+    assert two.test_prompts()[0].count("\n") == 2 and two.test_prompts()[0].endswith(two.test[0]["subject"])
 
 
 @pytest.mark.parametrize("cont,gold,ok", [

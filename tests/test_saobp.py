@@ -11,11 +11,15 @@ PAD_TEXTS = ["the cat sat on the mat today", "a b", "hello there my friend"]
 
 
 @pytest.fixture(scope="module", params=["bert", "llama", "gpt2", "mistral"])
-def tiny_fam(request):
-    return models.tiny_random(request.param)
+def tiny_fam(request, device):
+    loaded = models.tiny_random(request.param)
+    loaded.model.to(device)
+    loaded.device = device
+    return loaded
 
 
 def _logits(loaded, enc):
+    enc = {k: v.to(loaded.device) for k, v in enc.items()}
     with torch.no_grad():
         return loaded.model(**enc)[0]
 
@@ -54,7 +58,7 @@ def test_refined_rows_are_distributions_that_respect_masks(tiny_fam):
             tiny_fam.model(**enc)
     finally:
         _detach(tiny_fam)
-    real = enc["attention_mask"].bool()  # [b, n]
+    real = enc["attention_mask"].bool().cpu()  # [b, n] (patterns are kept on the CPU)
     for L in range(tiny_fam.info.n_layers):
         A = rec.patterns[L]  # [b, h, n, n]
         rows = A.sum(-1)[real[:, None, :].expand(-1, A.shape[1], -1)]

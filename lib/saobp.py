@@ -296,7 +296,7 @@ def synthetic_multihop(n: int, seed: int = 0, chains: int = 3) -> pd.DataFrame:
     """A synthetic two-hop QA task as a classification DataFrame (text_a, text_b=None, label).
 
     Each example holds ``chains`` chains "X knows Y . Y likes C ." (facts shuffled) and asks
-    "who X knows likes what ?"; the label is the colour C of the queried chain (8 classes).
+    "what does the friend of X like ?"; the label is the colour C of the queried chain (8 classes).
     One hop (X -> Y) is never enough: the colour is only linked to the intermediate Y."""
     rng = random.Random(seed)
     rows = []

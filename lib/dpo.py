@@ -316,7 +316,9 @@ def train_dpo(lm: Loaded, pairs: pd.DataFrame, steps: int = DEFAULTS["dpo_steps"
     if len(pairs) == 0:
         raise ValueError("no preference pairs to train on")
     params = {"pairs": _pairs_key(pairs), "steps": steps, "lr": float(lr), "beta": float(beta), "seed": seed,
-              "batch_size": batch_size, "base": str(lm.path or lm.spec.hub_id)}
+              "batch_size": batch_size,
+              # registry models by name (their folder differs between machines), others by path or id
+              "base": lm.name if lm.name in models.REGISTRY else str(lm.path or lm.spec.hub_id)}
     target = cache.path("dpo", lm.name, params)
 
     if not (target / "config.json").exists():

@@ -39,7 +39,7 @@ EDIT_SIGN = {"TP": -1.0, "AN": -1.0, "AP": 1.0, "TN": 1.0}
 
 
 def generation_stats(lm: Loaded, prompts: Sequence[str], max_new_tokens: int = 20, k: int = 20,
-                     batch_size: int = 16, max_prompt_tokens: int = 32, progress: bool = True,
+                     batch_size: int = metrics.GENERATE_BATCH_SIZE, max_prompt_tokens: int = 32, progress: bool = True,
                      desc: str | None = None) -> tuple[hooks.NeuronStats, metrics.Generations]:
     """The model continues each prompt greedily (its own generation); then the per-neuron mean
     activation over the last ``k`` tokens of prompt + continuation. Returns (stats, generations);
@@ -54,7 +54,7 @@ def generation_stats(lm: Loaded, prompts: Sequence[str], max_new_tokens: int = 2
 
 
 def pair_stats(model_name: str, base: Loaded, tuned: Loaded, tuned_params: dict, prompts: Sequence[str],
-               max_new_tokens: int = 20, k: int = 20, batch_size: int = 16, max_prompt_tokens: int = 32,
+               max_new_tokens: int = 20, k: int = 20, batch_size: int = metrics.GENERATE_BATCH_SIZE, max_prompt_tokens: int = 32,
                progress: bool = True) -> dict:
     """:func:`generation_stats` of a base model and its fine-tuned copy on the same prompts, each
     on its own generations, cached under ``model_name`` + ``tuned_params`` (what identifies the

@@ -19,6 +19,10 @@ from lib.hooks import batches
 from lib.models import Loaded
 
 SCORERS = ("auto", "profanity-check", "detoxify")
+# Prompts per generation batch. A CPU decoding step is compute-bound, so it costs more for more
+# sequences; still, 64 gives about 1.5x the tokens per second of 16 (benchmarks/RESULTS.md, item 3)
+# and the KV cache of 64 short prompts is small. Greedy outputs do not depend on it.
+GENERATE_BATCH_SIZE = 64
 
 
 # ----------------------------------------------------------------------------- generation
@@ -45,7 +49,7 @@ def _check_positive(**kw):
 
 
 @torch.inference_mode()
-def generate(loaded: Loaded, prompts: Sequence[str], max_new_tokens: int = 20, batch_size: int = 16,
+def generate(loaded: Loaded, prompts: Sequence[str], max_new_tokens: int = 20, batch_size: int = GENERATE_BATCH_SIZE,
              max_prompt_tokens: int | None = 32, progress: bool = True, desc: str = "generating",
              score_tokens: Sequence[int] | None = None) -> Generations:
     """Greedy continuations, batched with left padding and the KV cache.

@@ -171,14 +171,15 @@ def test_dry_run_on_the_repository_notebooks():
 
 def test_parameter_defaults_match_papermill(tmp_path):
     """The Snakefile reads each notebook's default model with lib.runner.parameter_defaults (fast);
-    it must agree with papermill's own reading of the parameters cell (papermill skips lines it cannot
-    parse, e.g. a comment holding '=', so ours may hold more)."""
+    it must agree with papermill's own reading of the parameters cell. Papermill skips a line it cannot
+    parse (e.g. a comment holding ' = '), which would hide that parameter from --help-notebook and from
+    -p overrides' documentation, so every parameter must be readable by both."""
     import papermill
 
     for nb in [ROOT / "notebooks" / "00_tour.ipynb", *runner.numbered_notebooks()]:
         ours = runner.parameter_defaults(nb)
         theirs = papermill.inspect_notebook(str(nb))
-        assert set(theirs) <= set(ours) and "model_name" in ours, nb.name
+        assert set(theirs) == set(ours) and "model_name" in ours, (nb.name, set(ours) - set(theirs))
         for k, v in theirs.items():
             assert repr(ours[k]) == repr(eval(v["default"])), (nb.name, k)  # noqa: S307 (literals)
     assert runner.parameter_defaults(fake_notebook(tmp_path / "x.ipynb", "org/m")) == {"model_name": "org/m", "seed": 0}

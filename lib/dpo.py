@@ -369,8 +369,8 @@ def base_and_dpo(model_name: str, device: str = "auto", seed: int = 0, progress:
 
 
 def evaluate(lm: Loaded, n_prompts: int = DEFAULTS["n_prompts"], n_wiki: int = DEFAULTS["n_wiki"],
-             max_new_tokens: int = DEFAULTS["max_new_tokens"], batch_size: int = metrics.GENERATE_BATCH_SIZE, scorer: str = "auto",
-             progress: bool = True, details: bool = False) -> dict:
+             max_new_tokens: int = DEFAULTS["max_new_tokens"], batch_size: int = metrics.GENERATE_BATCH_SIZE,
+             scorer: str = "auto", progress: bool = True, details: bool = False) -> dict:
     """Toxicity, perplexity and F1 as in Lee et al. (2024), at a chosen size.
 
     toxicity: mean scorer probability of the greedy continuations (continuation only) of the first

@@ -54,8 +54,8 @@ def generation_stats(lm: Loaded, prompts: Sequence[str], max_new_tokens: int = 2
 
 
 def pair_stats(model_name: str, base: Loaded, tuned: Loaded, tuned_params: dict, prompts: Sequence[str],
-               max_new_tokens: int = 20, k: int = 20, batch_size: int = metrics.GENERATE_BATCH_SIZE, max_prompt_tokens: int = 32,
-               progress: bool = True) -> dict:
+               max_new_tokens: int = 20, k: int = 20, batch_size: int = metrics.GENERATE_BATCH_SIZE,
+               max_prompt_tokens: int = 32, progress: bool = True) -> dict:
     """:func:`generation_stats` of a base model and its fine-tuned copy on the same prompts, each
     on its own generations, cached under ``model_name`` + ``tuned_params`` (what identifies the
     fine-tuned model, e.g. the DPO sizes and seed) + the statistics' parameters.

@@ -172,8 +172,8 @@ def test_dry_run_on_the_repository_notebooks():
 def test_parameter_defaults_match_papermill(tmp_path):
     """The Snakefile reads each notebook's default model with lib.runner.parameter_defaults (fast);
     it must agree with papermill's own reading of the parameters cell. Papermill skips a line it cannot
-    parse (e.g. a comment holding ' = '), which would hide that parameter from --help-notebook and from
-    -p overrides' documentation, so every parameter must be readable by both."""
+    parse (e.g. a comment holding ' = ') and would hide that parameter from `papermill --help-notebook`,
+    so every parameter must be readable by both."""
     import papermill
 
     for nb in [ROOT / "notebooks" / "00_tour.ipynb", *runner.numbered_notebooks()]:

@@ -83,33 +83,10 @@ def steer_layer(lm: Loaded, depth: float = DEFAULTS["steer_depth"]) -> int:
     return min(max(round(depth * lm.info.n_layers), 0), lm.info.n_layers - 1)
 
 
-@torch.inference_mode()
-def pooled_states(lm: Loaded, texts: Sequence[str], layers: Sequence[int] = (PROBE_FEATURE_LAYER,),
-                  max_length: int = 64, batch_size: int = 32, progress: bool = True) -> dict[int, torch.Tensor]:
-    """{hidden_states index: [n, d_model]} states mean-pooled over non-pad tokens, several layers
-    from one forward pass (index L = output of block L-1; -1 = after the final norm, as
-    :func:`lib.hooks.residual_means`). Texts are batched by length and returned in input order."""
-    from tqdm.auto import tqdm
-
-    texts = list(texts)
-    lengths = [len(ids) for ids in lm.tokenizer(texts, add_special_tokens=True)["input_ids"]]
-    order = sorted(range(len(texts)), key=lambda i: (lengths[i], i))
-    out = {L: torch.empty(len(texts), lm.info.d_model) for L in layers}
-    base = getattr(lm.model, "base_model", lm.model)
-    n = (len(order) + batch_size - 1) // batch_size
-    for chunk in tqdm(hooks.batches(order, batch_size), total=n, desc="pooled states", disable=not progress):
-        enc = hooks.encode(lm, [texts[i] for i in chunk], max_length)
-        hs = base(**enc, output_hidden_states=True).hidden_states
-        m = enc["attention_mask"].unsqueeze(-1).float()
-        for L in layers:
-            out[L][torch.tensor(chunk)] = ((hs[L].float() * m).sum(1) / m.sum(1).clamp_min(1)).cpu()
-    return out
-
-
 def features(lm: Loaded, texts: Sequence[str], max_length: int = 64, batch_size: int = 32,
              progress: bool = True) -> torch.Tensor:
     """[n, d_model] the probe's features: last hidden state after the final norm, mean-pooled."""
-    return pooled_states(lm, texts, (PROBE_FEATURE_LAYER,), max_length, batch_size, progress)[PROBE_FEATURE_LAYER]
+    return hooks.residual_means(lm, texts, PROBE_FEATURE_LAYER, batch_size, max_length, progress)
 
 
 def fit_probe(lm: Loaded, texts: Sequence[str], labels: Sequence[int], val_fraction: float = 0.1,
@@ -133,7 +110,7 @@ def fit_probe(lm: Loaded, texts: Sequence[str], labels: Sequence[int], val_fract
         raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
     L_steer = steer_layer(lm, steer_depth) if steer_depth is not None else None
     layers = (PROBE_FEATURE_LAYER,) if L_steer is None else (PROBE_FEATURE_LAYER, L_steer + 1)
-    states = pooled_states(lm, texts, layers, max_length, batch_size, progress)
+    states = hooks.pooled_residuals(lm, texts, layers, batch_size, max_length, progress, desc="probe states")
     X = states[PROBE_FEATURE_LAYER].numpy()
     idx_tr, idx_va = train_test_split(np.arange(len(y)), test_size=val_fraction, random_state=seed, stratify=y)
     clf = LogisticRegression(max_iter=5000).fit(X[idx_tr], y[idx_tr])

@@ -10,7 +10,7 @@ nonlinearity, and for gated MLPs ``act(gate) * up``. That is TransformerLens'
   optionally mean-pooled per sequence.
 * :func:`value_vectors`, :func:`cosine_with`, :func:`logit_lens`: what each neuron writes.
 * :func:`intervene`: set / scale / add / zero neurons during forward passes and generation.
-* :func:`residual_means`: mean-pooled residual stream at any layer (for probes).
+* :func:`pooled_residuals`, :func:`residual_means`: mean-pooled residual stream at any layers (for probes).
 * :func:`attention`: capture attention patterns and plug in an attention refinement, through one
   function registered with transformers' ``AttentionInterface``.
 """
@@ -322,24 +322,38 @@ def intervene(loaded: Loaded, table, positions: str | Sequence[int] | None = Non
 
 
 @torch.inference_mode()
-def residual_means(loaded: Loaded, texts: Sequence[str], layer: int = -1, batch_size: int = 16,
-                   max_length: int | None = 128, progress: bool = True) -> torch.Tensor:
-    """[n_texts, d_model] residual stream mean-pooled over non-pad tokens.
+def pooled_residuals(loaded: Loaded, texts: Sequence[str], layers: Sequence[int] = (-1,), batch_size: int = 16,
+                     max_length: int | None = 128, progress: bool = True,
+                     desc: str = "residual stream") -> dict[int, torch.Tensor]:
+    """{layer: [n_texts, d_model]} residual stream mean-pooled over non-pad tokens, every layer from
+    the same forward pass. Texts are batched by length (less padding) and returned in input order.
 
-    ``layer`` indexes HF ``hidden_states``: 0 = embeddings, L = output of block L-1, and -1 = the
+    A layer indexes HF ``hidden_states``: 0 = embeddings, L = output of block L-1, and -1 = the
     last layer after the final norm (what the DPO paper's probe reads)."""
     n_states = loaded.info.n_layers + 1
-    if not isinstance(layer, int) or not -n_states <= layer < n_states:
-        raise ValueError(f"layer {layer!r} out of range: hidden_states has {n_states} entries (0..{n_states - 1}, or -1)")
-    out = []
-    n = (len(texts) + batch_size - 1) // batch_size
-    for chunk in tqdm(batches(list(texts), batch_size), total=n, desc="residual stream", disable=not progress):
-        enc = encode(loaded, chunk, max_length)
-        base = getattr(loaded.model, "base_model", loaded.model)
-        h = base(**enc, output_hidden_states=True).hidden_states[layer].float()  # [batch, pos, d_model]
+    for layer in layers:
+        if not isinstance(layer, int) or not -n_states <= layer < n_states:
+            raise ValueError(f"layer {layer!r} out of range: hidden_states has {n_states} entries "
+                             f"(0..{n_states - 1}, or -1)")
+    texts = list(texts)
+    lengths = [len(ids) for ids in loaded.tokenizer(texts, add_special_tokens=True)["input_ids"]]
+    order = sorted(range(len(texts)), key=lambda i: (lengths[i], i))
+    out = {L: torch.empty(len(texts), loaded.info.d_model) for L in layers}
+    base = getattr(loaded.model, "base_model", loaded.model)
+    n = (len(order) + batch_size - 1) // batch_size
+    for chunk in tqdm(batches(order, batch_size), total=n, desc=desc, disable=not progress):
+        enc = encode(loaded, [texts[i] for i in chunk], max_length)
+        hs = base(**enc, output_hidden_states=True).hidden_states
         m = enc["attention_mask"].unsqueeze(-1).float()
-        out.append(((h * m).sum(1) / m.sum(1).clamp_min(1)).cpu())
-    return torch.cat(out)
+        for L in layers:
+            out[L][torch.tensor(chunk)] = ((hs[L].float() * m).sum(1) / m.sum(1).clamp_min(1)).cpu()
+    return out
+
+
+def residual_means(loaded: Loaded, texts: Sequence[str], layer: int = -1, batch_size: int = 16,
+                   max_length: int | None = 128, progress: bool = True) -> torch.Tensor:
+    """[n_texts, d_model] residual stream at one ``layer``, mean-pooled: :func:`pooled_residuals`."""
+    return pooled_residuals(loaded, texts, (layer,), batch_size, max_length, progress)[layer]
 
 
 def block_module(loaded: Loaded, layer: int):

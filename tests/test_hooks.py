@@ -147,6 +147,19 @@ def test_residual_means(tiny, texts):
         hooks.residual_means(tiny, texts, layer=17)
 
 
+def test_pooled_residuals_keeps_input_order_and_matches_one_text_at_a_time(tiny, texts):
+    """Batched by length, returned in input order: each row equals the text's state pooled alone
+    (no padding), at every requested layer of the one pass."""
+    layers = (0, 1, -1)
+    got = hooks.pooled_residuals(tiny, texts, layers, batch_size=3, progress=False)
+    for L in layers:
+        alone = torch.cat([hooks.residual_means(tiny, [t], L, progress=False) for t in texts])
+        torch.testing.assert_close(got[L], alone, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(got[0], got[-1])
+    with pytest.raises(ValueError, match="layer"):
+        hooks.pooled_residuals(tiny, texts, (0, 99))
+
+
 def test_compendium_attention_equals_eager_and_captures(tiny, texts):
     enc = _enc(tiny, texts)
     tiny.model.set_attn_implementation("eager")

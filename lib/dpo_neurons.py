@@ -39,8 +39,8 @@ EDIT_SIGN = {"TP": -1.0, "AN": -1.0, "AP": 1.0, "TN": 1.0}
 
 
 def generation_stats(lm: Loaded, prompts: Sequence[str], max_new_tokens: int = 20, k: int = 20,
-                     batch_size: int = metrics.GENERATE_BATCH_SIZE, max_prompt_tokens: int = 32, progress: bool = True,
-                     desc: str | None = None) -> tuple[hooks.NeuronStats, metrics.Generations]:
+                     batch_size: int = metrics.GENERATE_BATCH_SIZE, max_prompt_tokens: int = 32,
+                     progress: bool = True, desc: str | None = None) -> tuple[hooks.NeuronStats, metrics.Generations]:
     """The model continues each prompt greedily (its own generation); then the per-neuron mean
     activation over the last ``k`` tokens of prompt + continuation. Returns (stats, generations);
     ``stats.mean`` is [n_layers, d_mlp]."""

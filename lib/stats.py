@@ -89,22 +89,31 @@ def bootstrap_mean(x: Sequence[float], level: float = LEVEL, n_resamples: int = 
 
 
 def paired_bootstrap(treated: Sequence[float], baseline: Sequence[float], level: float = LEVEL,
-                     n_resamples: int = N_RESAMPLES, seed: int = 0, statistic: Callable = np.mean) -> Estimate:
-    """Paired BCa bootstrap interval of ``statistic(treated) - statistic(baseline)``, items resampled
-    together (``scipy.stats.bootstrap(..., paired=True)``)."""
+                     n_resamples: int = N_RESAMPLES, seed: int = 0, statistic: Callable = np.mean,
+                     relative: bool = False) -> Estimate:
+    """Paired BCa bootstrap interval of ``statistic(treated) - statistic(baseline)`` (with ``relative``:
+    ``statistic(treated) / statistic(baseline) - 1``), items resampled together
+    (``scipy.stats.bootstrap(..., paired=True)``)."""
     t, b = _as_float(treated), _as_float(baseline)
     if t.shape != b.shape:
         raise ValueError(f"paired samples differ in length: {t.size} vs {b.size}")
-    value = float(statistic(t) - statistic(b))
+    if relative and statistic(b) == 0:
+        raise ValueError("a relative change needs a non-zero baseline statistic")
+    value = float(statistic(t) / statistic(b) - 1) if relative else float(statistic(t) - statistic(b))
     d = t - b
     if t.size < 2 or np.all(d == d[0]):
+        if relative:
+            return Estimate(value, value, value, t.size, level, "paired bootstrap; no spread: zero-width interval")
         return _degenerate(d, value, level, "paired bootstrap")
 
     def diff(a, c, axis=-1):
+        if relative:
+            return statistic(a, axis=axis) / statistic(c, axis=axis) - 1
         return statistic(a, axis=axis) - statistic(c, axis=axis)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", category=_st.DegenerateDataWarning)
+        warnings.simplefilter("ignore", category=RuntimeWarning)  # BCa's acceleration on near-constant data
         res = _st.bootstrap((t, b), diff, paired=True, confidence_level=level, n_resamples=n_resamples,
                             method="BCa", random_state=np.random.default_rng(seed), vectorized=True)
     lo, hi = (float(v) for v in res.confidence_interval)

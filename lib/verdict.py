@@ -17,6 +17,12 @@ controls (:func:`lib.stats.against_controls`) where the finding needs them, chec
 
 "Below" and "beyond" are read in the paper's direction (``Criterion.direction``), so an effect that
 the paper reports as a fall is handled like one reported as a rise.
+
+A *bound* finding ("the toxic neurons explain only a small share": ``Criterion(bound=True,
+direction="less", threshold=0.25)``) is the mirror image: it holds when the whole interval lies on the
+claimed side of the threshold, does not hold when the whole interval lies on the other side, and is
+inconclusive when the interval straddles it. Controls of a bound finding enter as preconditions
+(e.g. "top-N share beyond random-N sets").
 """
 from __future__ import annotations
 
@@ -76,6 +82,7 @@ class Criterion:
     control: the matched control the effect must exceed ("" with ``needs_control=False`` when the
       paired comparison with the untreated model is itself the control, e.g. DPO vs its base model).
     setting: the one pre-specified setting the verdict uses, where the notebook sweeps several.
+    bound: the finding is that the effect stays on the ``direction`` side of ``threshold`` (any sign).
     """
     finding: str
     paper: str
@@ -88,6 +95,7 @@ class Criterion:
     setting: str = ""
     digits: int = 2
     notes: str = ""
+    bound: bool = False
 
     def __post_init__(self):
         if self.direction not in ("greater", "less"):
@@ -95,7 +103,9 @@ class Criterion:
         if self.needs_control and not self.control:
             raise ValueError("a criterion that needs a control must name it (control=...)")
         s = 1 if self.direction == "greater" else -1
-        if s * self.threshold <= 0:
+        if self.bound and self.needs_control:
+            raise ValueError("a bound criterion takes its controls as preconditions: set needs_control=False")
+        if not self.bound and s * self.threshold <= 0:
             raise ValueError(f"threshold {self.threshold} must lie on the {self.direction} side of zero")
 
     @property
@@ -104,6 +114,11 @@ class Criterion:
 
     def describe(self) -> str:
         word = "at least" if self.direction == "greater" else "at most"
+        if self.bound:
+            return "\n".join([f"Finding: {self.finding}", f"Paper: {self.paper}", f"Effect measured: {self.effect}",
+                              f"Counts as the finding: the whole {word.replace('at ', '')} interval {word} "
+                              f"{self.threshold:+.{self.digits}f}", *([f"Pre-specified setting: {self.setting}"] if self.setting else []),
+                              *([f"Notes: {self.notes}"] if self.notes else [])])
         lines = [f"Finding: {self.finding}",
                  f"Paper: {self.paper}" + (f" (effect {self.paper_effect:+.{self.digits}f} in our units)"
                                           if self.paper_effect is not None else ""),
@@ -173,6 +188,17 @@ def decide(criterion: Criterion, estimate: Estimate | None, preconditions: Seque
         raise ValueError("the control comparison must be made in the criterion's direction")
 
     s = c.sign
+    if c.bound:
+        est, b = estimate.fmt(d), f"{c.threshold:+.{d}f}"
+        lo_, hi_ = estimate.low, estimate.high
+        inside = hi_ < c.threshold if c.direction == "less" else lo_ > c.threshold
+        outside = lo_ > c.threshold if c.direction == "less" else hi_ < c.threshold
+        side = "below" if c.direction == "less" else "above"
+        if inside:
+            return out("holds", f"{est} lies wholly {side} {b}")
+        if outside:
+            return out("does not hold", f"{est} lies wholly on the other side of {b}; preconditions met")
+        return out("inconclusive", f"{est} straddles the bound {b}")
     e, lo, hi = s * estimate.value, min(s * estimate.low, s * estimate.high), max(s * estimate.low, s * estimate.high)
     thr = s * c.threshold
     ctl_ok = controls.beyond if controls is not None else not c.needs_control

@@ -105,3 +105,12 @@ def test_bad_input_fails_clearly():
         stats.bootstrap_mean([])
     with pytest.raises(ValueError, match="NaN"):
         stats.bootstrap_mean([1.0, float("nan")])
+
+
+def test_relative_paired_change():
+    rng = np.random.default_rng(2)
+    base = rng.uniform(0.2, 0.6, size=200)
+    e = stats.paired_bootstrap(base * 0.5, base, relative=True)
+    assert e.value == pytest.approx(-0.5) and e.low <= -0.5 + 1e-9 <= e.high + 1e-9
+    with pytest.raises(ValueError, match="non-zero"):
+        stats.paired_bootstrap([1.0, 2.0], [0.0, 0.0], relative=True)

@@ -78,3 +78,13 @@ def test_ledger_has_every_column():
     row = v.ledger()
     assert set(row) == {"finding", "paper", "estimate", "control", "preconditions", "n", "verdict", "reason"}
     assert row["n"] == 100 and "[0.15, 0.25]" in row["estimate"] and "percentile" in row["control"]
+
+
+def test_bound_findings_need_the_whole_interval_on_their_side():
+    c = crit(bound=True, direction="less", threshold=0.25, paper_effect=0.05, needs_control=False, control="")
+    assert verdict.decide(c, Estimate(0.1, 0.05, 0.2, 100)).verdict == "holds"
+    assert verdict.decide(c, Estimate(0.4, 0.3, 0.5, 100)).verdict == "does not hold"
+    v = verdict.decide(c, Estimate(0.2, 0.1, 0.3, 100))
+    assert v.verdict == "inconclusive" and "straddles" in v.reason
+    with pytest.raises(ValueError, match="preconditions"):
+        crit(bound=True, direction="less", threshold=0.25)

@@ -1,7 +1,14 @@
-"""Headline numbers of each notebook and the claims ledger built from them.
+"""Headline numbers of each notebook and the claims ledgers built from them.
 
-A notebook calls :func:`record` once per finding; the JSON lands in results/<model>/<notebook>.json
-(written atomically). :func:`write_claims` gathers a model's records into results/<model>/claims.md.
+A notebook decides each finding with :func:`lib.verdict.decide` and calls :func:`record` once per
+finding. The record lands in ``results/<model>/<notebook>.json`` (git-ignored), or, for a run at
+non-published parameters (:mod:`lib.params`), in ``results/<model>/runs/<key>/``, which gets a ledger
+of its own and never touches the published ones.
+
+The published ledger of a model is ``results/<model>/claims.json`` (git-tracked, the source) and its
+rendering ``claims.md``. :func:`write_claims` merges fresh records into it **by notebook**: a notebook
+that ran replaces its own rows; every other row stays byte for byte. :func:`merge_claims` builds
+``results/claims.md`` (findings x models) from every model's claims.json.
 """
 from __future__ import annotations
 
@@ -13,8 +20,10 @@ from typing import Any
 
 from lib import paths
 from lib.cache import atomic_write_text
+from lib.verdict import VERDICTS, Verdict
 
-VERDICTS = ("holds", "partly holds", "does not hold", "inconclusive")
+LEDGER = "claims.json"
+COLUMNS = ("notebook", "finding", "paper", "estimate", "control", "preconditions", "n", "verdict", "reason", "ours")
 
 
 def _clean(x: Any) -> Any:
@@ -30,79 +39,139 @@ def _clean(x: Any) -> Any:
     return x
 
 
-def record(model_name: str, notebook: str, finding: str, paper: str, ours: str, verdict: str,
-           numbers: dict | None = None, params: dict | None = None) -> Path:
+def _run_for(model_name: str, notebook: str):
+    """The lib.params run of this notebook and model, when one is current."""
+    from lib import params
+
+    run = params.current()
+    if run is not None and run.notebook == notebook and paths.slug(run.model_name) == paths.slug(model_name):
+        return run
+    return None
+
+
+def record_dir(model_name: str, notebook: str) -> Path:
+    """Where ``notebook``'s records for ``model_name`` go: the published folder, or the run's own."""
+    run = _run_for(model_name, notebook)
+    d = run.results_dir() if run is not None else paths.results_dir(model_name)
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def record(model_name: str, notebook: str, verdict: Verdict, ours: str = "", numbers: dict | None = None,
+           params: dict | None = None) -> Path:
     """Add (or replace) one finding of ``notebook`` for ``model_name``.
 
-    finding: the claim in a few words; paper: the paper's number(s) as text; ours: our measured
-    number(s) as text; verdict: one of VERDICTS, decided from the measured numbers.
+    verdict: from :func:`lib.verdict.decide` (finding, paper, estimate, control, preconditions, n and
+    reason come from it); ours: the measured numbers in words, as the notebook prints them.
     """
-    if verdict not in VERDICTS:
-        raise ValueError(f"unknown verdict {verdict!r}: use one of {', '.join(VERDICTS)}")
-    path = paths.results_dir(model_name) / f"{notebook}.json"
+    if not isinstance(verdict, Verdict):
+        raise TypeError(f"record() takes a lib.verdict.Verdict from verdict.decide(), got {type(verdict).__name__}")
+    if verdict.verdict not in VERDICTS:
+        raise ValueError(f"unknown verdict {verdict.verdict!r}: use one of {', '.join(VERDICTS)}")
+    folder = record_dir(model_name, notebook)
+    path = folder / f"{notebook}.json"
     doc = json.loads(path.read_text()) if path.exists() else {"notebook": notebook, "model": model_name, "findings": []}
-    doc["findings"] = [f for f in doc["findings"] if f["finding"] != finding]
-    doc["findings"].append(_clean({"finding": finding, "paper": paper, "ours": ours, "verdict": verdict,
-                                   "numbers": numbers or {}, "params": params or {},
+    row = {**verdict.ledger(), "ours": ours}
+    doc["findings"] = [f for f in doc["findings"] if f["finding"] != row["finding"]]
+    doc["findings"].append(_clean({**row, "numbers": numbers or {}, "params": params or {},
                                    "recorded": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}))
     atomic_write_text(path, json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+    if folder != paths.results_dir(model_name):  # a run folder keeps its own ledger up to date
+        _write_ledger(folder, model_name, _fresh_rows(folder))
     return path
 
 
-def load_records(model_name: str) -> list[dict]:
-    folder = paths.RESULTS / paths.slug(model_name)
+def _fresh_rows(folder: Path) -> list[dict]:
+    """Ledger rows from the per-notebook records in ``folder`` (not the published claims.json)."""
     rows = []
     for p in sorted(folder.glob("*.json")):
+        if p.name == LEDGER:
+            continue
         doc = json.loads(p.read_text())
+        if "notebook" not in doc:
+            continue
         for f in doc.get("findings", []):
-            rows.append({"notebook": doc["notebook"], **f})
+            rows.append({c: f.get(c, "") for c in COLUMNS if c != "notebook"} | {"notebook": doc["notebook"]})
     return rows
 
 
+def load_records(model_name: str) -> list[dict]:
+    """Fresh per-notebook records of a model (results/<model>/*.json), in notebook order."""
+    return _fresh_rows(paths.RESULTS / paths.slug(model_name))
+
+
+def load_ledger(model_name: str) -> list[dict]:
+    """The published rows of a model (results/<model>/claims.json); [] when it has none."""
+    p = paths.RESULTS / paths.slug(model_name) / LEDGER
+    return json.loads(p.read_text())["rows"] if p.exists() else []
+
+
 def _cell(s: Any) -> str:
-    return str(s).replace("|", "\\|").replace("\n", " ")
+    return "" if s is None else str(s).replace("|", "\\|").replace("\n", " ")
 
 
-def write_claims(model_name: str) -> Path:
-    """results/<model>/claims.md: finding, the paper's number, our number, verdict."""
-    rows = load_records(model_name)
-    lines = [f"# Claims ledger: {model_name}", "",
-             "Each row was measured by the notebook named; the verdict is computed there from the numbers.", "",
-             "| notebook | finding | paper | ours | verdict |", "|---|---|---|---|---|"]
-    lines += [f"| {_cell(r['notebook'])} | {_cell(r['finding'])} | {_cell(r['paper'])} | {_cell(r['ours'])} | "
-              f"**{_cell(r['verdict'])}** |" for r in rows]
+def _render(model_name: str, rows: list[dict], published: bool) -> str:
+    head = ["# Claims ledger: " + model_name, "",
+            "Each row was measured by the notebook named; its verdict comes from `lib.verdict.decide` "
+            "(criterion stated before the result, preconditions, interval, matched control).", ""]
+    if not published:
+        head[-1:] = ["", "This is the ledger of one run at non-published parameters; it is not the published one.", ""]
+    cols = ("notebook", "finding", "paper", "estimate [95% CI]", "control", "preconditions", "n", "verdict", "reason")
+    lines = head + ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = [r["notebook"], r["finding"], r["paper"], r["estimate"], r["control"], r["preconditions"],
+                 r["n"], f"**{r['verdict']}**", r["reason"]]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     if not rows:
-        lines.append("| (no notebook has recorded a finding yet) | | | | |")
-    path = paths.results_dir(model_name) / "claims.md"
-    atomic_write_text(path, "\n".join(lines) + "\n")
+        lines.append("| (no notebook has recorded a finding yet) |" + " |" * (len(cols) - 1))
+    return "\n".join(lines) + "\n"
+
+
+def _write_ledger(folder: Path, model_name: str, rows: list[dict], published: bool = False) -> Path:
+    rows = sorted(rows, key=lambda r: r["notebook"])  # stable: record order within a notebook
+    atomic_write_text(folder / LEDGER, json.dumps({"model": model_name, "rows": rows}, indent=1, ensure_ascii=False) + "\n")
+    path = folder / "claims.md"
+    atomic_write_text(path, _render(model_name, rows, published))
     return path
 
 
+def write_claims(model_name: str) -> Path:
+    """Merge the model's fresh records into its published ledger, notebook by notebook, and render
+    results/<model>/claims.md. Rows of notebooks that did not run stay as they were."""
+    fresh = load_records(model_name)
+    ran = {r["notebook"] for r in fresh}
+    kept = [r for r in load_ledger(model_name) if r["notebook"] not in ran]
+    return _write_ledger(paths.results_dir(model_name), model_name, kept + fresh, published=True)
+
+
 def models_with_records() -> list[str]:
-    """Folder names under results/ that hold at least one notebook's findings."""
+    """Folder names under results/ that hold a published ledger with at least one row."""
     if not paths.RESULTS.exists():
         return []
-    return sorted(d.name for d in paths.RESULTS.iterdir() if d.is_dir() and load_records(d.name))
+    return sorted(d.name for d in paths.RESULTS.iterdir() if d.is_dir() and load_ledger(d.name))
 
 
 def merge_claims(models: list[str] | None = None) -> Path:
     """results/claims.md: one row per finding (notebook, finding, the paper's number), one column per
-    model holding its verdict and measured number; models in the given order (default: every model
-    with records). A model that did not run a notebook shows an empty cell."""
-    models = list(dict.fromkeys(models)) if models is not None else models_with_records()
+    model holding its verdict and estimate. ``models`` gives the column order; a model with a
+    published ledger that is not named is appended, so no model's column is ever dropped."""
+    have = models_with_records()
+    models = list(dict.fromkeys(list(models or []) + have))
+    models = [m for m in models if m in have]
     rows: dict[tuple[str, str], dict] = {}
     for m in models:
-        for r in load_records(m):
+        for r in load_ledger(m):
             row = rows.setdefault((r["notebook"], r["finding"]), {"papers": [], "cells": {}})
             if r["paper"] not in row["papers"]:
                 row["papers"].append(r["paper"])
-            row["cells"][m] = f"**{_cell(r['verdict'])}**: {_cell(r['ours'])}"
+            row["cells"][m] = f"**{_cell(r['verdict'])}**: {_cell(r['estimate'])}"
     lines = ["# Claims across models", "",
              "Rows: the findings each notebook records; columns: the models it ran on "
-             "(verdict: our number). Built from results/<model>/*.json by `python -m lib.runner merge`.", "",
+             "(verdict: estimate [95% CI]). Built from results/<model>/claims.json by `python -m lib.runner merge`;"
+             " the reasons, controls and preconditions are in each model's claims.md.", "",
              "| " + " | ".join(["notebook", "finding", "paper"] + [_cell(m) for m in models]) + " |",
              "|---|---|---|" + "---|" * len(models)]
-    for (nb, finding), row in sorted(rows.items(), key=lambda kv: kv[0][0]):  # stable: record order within
+    for (nb, finding), row in sorted(rows.items(), key=lambda kv: kv[0][0]):
         cells = [_cell(nb), _cell(finding), _cell("; ".join(map(str, row["papers"])))]
         lines.append("| " + " | ".join(cells + [row["cells"].get(m, "") for m in models]) + " |")
     if not rows:

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from lib import cache, paths, plotting, results
+from lib import cache, paths, plotting, results, stats, verdict
 
 
 @pytest.fixture
@@ -14,15 +14,45 @@ def tmp_project(tmp_path, monkeypatch):
     return tmp_path
 
 
+def _verdict(finding="a finding", value=0.4):
+    c = verdict.Criterion(finding=finding, paper="0.5", effect="drop", threshold=0.1, control="random-k")
+    return verdict.decide(c, stats.Estimate(value, value - 0.1, value + 0.1, 20),
+                          controls=stats.against_controls(value, [0.0, 0.01, 0.02]))
+
+
 def test_record_and_claims(tmp_project):
-    results.record("m/x", "01_demo", "a finding", "0.5", "0.4", "partly holds", numbers={"x": torch.tensor(0.4)})
-    results.record("m/x", "01_demo", "a finding", "0.5", "0.45", "holds")  # replaced, not duplicated
+    results.record("m/x", "01_demo", _verdict(value=0.4), "0.4", numbers={"x": torch.tensor(0.4)})
+    results.record("m/x", "01_demo", _verdict(value=0.45), "0.45")  # replaced, not duplicated
     doc = json.loads((tmp_project / "results" / "m--x" / "01_demo.json").read_text())
     assert len(doc["findings"]) == 1 and doc["findings"][0]["ours"] == "0.45"
     text = results.write_claims("m/x").read_text()
-    assert "| 01_demo | a finding | 0.5 | 0.45 | **holds** |" in text
-    with pytest.raises(ValueError, match="verdict"):
-        results.record("m", "01", "f", "p", "o", "passes")
+    assert "| 01_demo | a finding | 0.5 | 0.45 [0.35, 0.55] (drop) |" in text and "**holds**" in text
+    with pytest.raises(TypeError, match="Verdict"):
+        results.record("m", "01", "holds")
+
+
+def test_a_subset_run_changes_only_its_own_rows(tmp_project):
+    for nb in ("01_a", "02_b", "03_c"):
+        results.record("m", nb, _verdict(finding=f"finding {nb}"), "x")
+    results.record("other", "01_a", _verdict(finding="finding 01_a"), "y")
+    results.write_claims("m")
+    results.write_claims("other")
+    results.merge_claims(["m", "other"])
+    before = (tmp_project / "results" / "m" / "claims.md").read_text().splitlines()
+    merged_before = (tmp_project / "results" / "claims.md").read_text().splitlines()
+    # a fresh clone: only the published ledgers are there; notebook 02 runs again with a new result
+    for p in (tmp_project / "results").rglob("*.json"):
+        if p.name != "claims.json":
+            p.unlink()
+    results.record("m", "02_b", _verdict(finding="finding 02_b", value=0.05), "z")
+    results.write_claims("m")
+    results.merge_claims(["m"])  # a run of one model names only that model
+    after = (tmp_project / "results" / "m" / "claims.md").read_text().splitlines()
+    changed = [i for i, (a, b) in enumerate(zip(before, after)) if a != b]
+    assert len(before) == len(after) and len(changed) == 1 and "02_b" in after[changed[0]]
+    merged_after = (tmp_project / "results" / "claims.md").read_text().splitlines()
+    assert merged_after[4] == merged_before[4] and "other" in merged_after[4]  # no model column dropped
+    assert sum(a != b for a, b in zip(merged_before, merged_after)) == 1
 
 
 def test_cache_builds_once_and_writes_atomically(tmp_project):

@@ -120,6 +120,19 @@ def resolve_device(device: str = "auto") -> str:
     return device
 
 
+DEVICE_MAP_ENV = "COMPENDIUM_DEVICE_MAP"
+
+
+def default_device_map(device: str | None = "auto") -> str | None:
+    """The ``device_map`` that :func:`load` falls back on when its caller passes none: the environment
+    variable COMPENDIUM_DEVICE_MAP (``lib.runner`` sets it from params/<model>.yaml, so notebooks that
+    have no device_map parameter spread large models over the GPUs), for ``device`` 'auto' or 'cuda'
+    only; an explicit cpu, mps or cuda:N is kept. None when the variable is unset or empty."""
+    if device not in (None, "auto", "cuda"):
+        return None
+    return os.environ.get(DEVICE_MAP_ENV) or None
+
+
 def resolve_dtype(dtype: Any, device: str):
     import torch
 
@@ -262,7 +275,6 @@ class ModelInfo:
         return neuron
 
 
-_FAMILY_OF = {"gpt2": "gpt2", "llama": "llama", "gemma2": "gemma2", "mistral": "mistral", "bert": "bert"}
 _PATHS = {  # relative to model.base_model
     "gpt2": ("h.{L}.mlp.c_proj", "h.{L}.attn"),
     "llama": ("layers.{L}.mlp.down_proj", "layers.{L}.self_attn"),
@@ -274,8 +286,8 @@ _PATHS = {  # relative to model.base_model
 
 def info_from_model(model, name: str | None = None) -> ModelInfo:
     cfg = model.config
-    family = _FAMILY_OF.get(cfg.model_type)
-    if family is None:
+    family = cfg.model_type  # the families are named by their config's model_type
+    if family not in FAMILIES:
         raise ValueError(f"model type {cfg.model_type!r} is not supported: use one of {', '.join(FAMILIES)}")
     mlp_out, attn = _PATHS[family]
     if family == "gpt2":
@@ -295,12 +307,14 @@ def info_from_model(model, name: str | None = None) -> ModelInfo:
 
 @dataclass
 class Loaded:
+    """A loaded model with its tokenizer and facts; every lib function takes it as ``lm: Loaded``."""
     model: Any
     tokenizer: Any
     info: ModelInfo
     spec: ModelSpec
     device: str
     path: Path | None = None
+    device_map: str | dict | None = None  # what load() passed to from_pretrained, if anything
 
     @property
     def name(self) -> str:
@@ -330,8 +344,8 @@ def load(name: str = "smollm2-135m", device: str = "auto", dtype: Any = "auto", 
     task: 'causal-lm' (decoders, default), 'encoder' (BertModel, default for encoders),
     'sequence-classification' (with ``num_labels``) or 'masked-lm'.
     device_map: e.g. 'auto' to spread a large model over the GPUs (accelerate); then ``device`` is ignored.
-    When None, the environment variable COMPENDIUM_DEVICE_MAP (if set) is used instead, so the runner
-    can load models larger than one GPU this way without a notebook parameter.
+    When None, :func:`default_device_map` is the fallback: the environment variable
+    COMPENDIUM_DEVICE_MAP, if set, for ``device`` 'auto' or 'cuda' (never for cpu, mps or cuda:N).
     """
     import torch
     import transformers as tf
@@ -342,8 +356,8 @@ def load(name: str = "smollm2-135m", device: str = "auto", dtype: Any = "auto", 
     task = task or ("causal-lm" if spec.kind == "causal" else "encoder")
     if task == "sequence-classification" and (not isinstance(num_labels, int) or num_labels < 2):
         raise ValueError("task 'sequence-classification' needs num_labels >= 2")
-    if device_map is None and os.environ.get("COMPENDIUM_DEVICE_MAP"):
-        device_map = os.environ["COMPENDIUM_DEVICE_MAP"]  # set by lib.runner from params/<model>.yaml
+    if device_map is None:
+        device_map = default_device_map(device)
     dev = resolve_device(device) if device_map is None else "auto"
     torch_dtype = resolve_dtype(dtype, dev if device_map is None else "cuda")
     folder = model_dir(spec.name if spec.source != "local" else spec.hub_id)  # raises early if unavailable
@@ -366,16 +380,16 @@ def load(name: str = "smollm2-135m", device: str = "auto", dtype: Any = "auto", 
     tok = _prepare_tokenizer(tf.AutoTokenizer.from_pretrained(folder), spec.kind)
     if getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = tok.pad_token_id
-    return Loaded(model, tok, info_from_model(model, spec.name), spec, str(model.device), folder)
+    return Loaded(model, tok, info_from_model(model, spec.name), spec, str(model.device), folder, device_map)
 
 
-def bridge(loaded: Loaded):
+def bridge(lm: Loaded):
     """A TransformerLens 4 ``TransformerBridge`` over the same weights (hook names like
     ``blocks.{L}.mlp.hook_out``). Shares the HF module; no second copy of the weights."""
     from transformer_lens.model_bridge import TransformerBridge
 
-    return TransformerBridge.boot_transformers(str(loaded.path or loaded.spec.hub_id), hf_model=loaded.model,
-                                               tokenizer=loaded.tokenizer, device=loaded.device)
+    return TransformerBridge.boot_transformers(str(lm.path or lm.spec.hub_id), hf_model=lm.model,
+                                               tokenizer=lm.tokenizer, device=lm.device)
 
 
 # ----------------------------------------------------------------------------- tiny random models (tests)

@@ -44,13 +44,13 @@ def test_offline_uncached_model_fails_before_loading(monkeypatch, tmp_path):
 def test_tiny_models_round_trip_through_load(family, tmp_path):
     """The on-disk path used for downloaded models: save_pretrained, then models.load(folder)."""
     ref = models.tiny_random(family)
-    loaded = models.tiny_random(family, folder=tmp_path / family)
-    info = loaded.info
+    lm = models.tiny_random(family, folder=tmp_path / family)
+    info = lm.info
     assert info.family == family and info.n_layers == 2 and info.d_mlp == 64 and info.d_model == 32
-    assert loaded.mlp_out_module(1) is not None and loaded.attention_module(0) is not None
+    assert lm.mlp_out_module(1) is not None and lm.attention_module(0) is not None
     enc = ref.tokenizer(["hello world"], return_tensors="pt")
     a = ref.model(**enc)[0]
-    b = loaded.model(**enc)[0]
+    b = lm.model(**enc)[0]
     torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="layer"):
         info.check_layer(2)
@@ -81,10 +81,10 @@ def test_hub_names_load_from_the_hf_cache(name, family, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     import huggingface_hub.constants as c
     monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
-    loaded = models.load(name, device="cpu")
-    assert loaded.info.family == family and loaded.name == name
+    lm = models.load(name, device="cpu")
+    assert lm.info.family == family and lm.name == name
     if name == "gemma-2-2b":
-        assert loaded.model.config._attn_implementation == "eager"
+        assert lm.model.config._attn_implementation == "eager"
 
 
 def test_embedded_decoder_is_cached_safetensors():
@@ -95,6 +95,31 @@ def test_embedded_decoder_is_cached_safetensors():
 
 
 def test_embedded_encoder_loads():
-    loaded = models.load("minilm-l6", device="cpu")
-    assert loaded.info.family == "bert" and loaded.info.n_layers == 6 and loaded.info.d_model == 384
-    assert loaded.info.n_heads == 12 and loaded.info.d_mlp == 1536
+    lm = models.load("minilm-l6", device="cpu")
+    assert lm.info.family == "bert" and lm.info.n_layers == 6 and lm.info.d_model == 384
+    assert lm.info.n_heads == 12 and lm.info.d_mlp == 1536
+
+
+def test_unsupported_model_type_is_a_clear_error():
+    from types import SimpleNamespace
+
+    with pytest.raises(ValueError, match="'opt' is not supported"):
+        models.info_from_model(SimpleNamespace(config=SimpleNamespace(model_type="opt")))
+
+
+def test_device_map_argument_and_its_environment_fallback(tmp_path, monkeypatch):
+    """load(device_map=...) is the parameter; COMPENDIUM_DEVICE_MAP (set by lib.runner) is only the
+    fallback when none is passed, and never overrides an explicit cpu / mps / cuda:N device."""
+    models.tiny_random("llama", folder=tmp_path / "m")
+    monkeypatch.delenv(models.DEVICE_MAP_ENV, raising=False)
+    assert models.default_device_map() is None
+    assert models.load(str(tmp_path / "m"), device="cpu").device_map is None
+    lm = models.load(str(tmp_path / "m"), device_map="cpu")
+    assert lm.device_map == "cpu" and lm.device == "cpu"
+    monkeypatch.setenv(models.DEVICE_MAP_ENV, "cpu")
+    assert models.default_device_map("auto") == models.default_device_map("cuda") == "cpu"
+    assert models.default_device_map("cpu") is None and models.default_device_map("cuda:1") is None
+    assert models.load(str(tmp_path / "m"), device="cpu").device_map is None  # explicit device kept
+    assert models.load(str(tmp_path / "m")).device_map == "cpu"  # the fallback
+    monkeypatch.setenv(models.DEVICE_MAP_ENV, "")
+    assert models.default_device_map() is None

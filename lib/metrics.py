@@ -50,7 +50,7 @@ def _check_positive(**kw):
 
 
 @torch.inference_mode()
-def generate(loaded: Loaded, prompts: Sequence[str], max_new_tokens: int = 20, batch_size: int = GENERATE_BATCH_SIZE,
+def generate(lm: Loaded, prompts: Sequence[str], max_new_tokens: int = 20, batch_size: int = GENERATE_BATCH_SIZE,
              max_prompt_tokens: int | None = 32, progress: bool = True, desc: str = "generating",
              score_tokens: Sequence[int] | None = None) -> Generations:
     """Greedy continuations, batched with left padding and the KV cache.
@@ -63,9 +63,9 @@ def generate(loaded: Loaded, prompts: Sequence[str], max_new_tokens: int = 20, b
     _check_positive(max_new_tokens=max_new_tokens, batch_size=batch_size)
     if max_prompt_tokens is not None:
         _check_positive(max_prompt_tokens=max_prompt_tokens)
-    if not loaded.info.is_causal:
-        raise ValueError(f"{loaded.name} is an encoder; generation needs a decoder model")
-    tok, model = loaded.tokenizer, loaded.model
+    if not lm.info.is_causal:
+        raise ValueError(f"{lm.name} is an encoder; generation needs a decoder model")
+    tok, model = lm.tokenizer, lm.model
     ids = [tok(p, add_special_tokens=True)["input_ids"][:max_prompt_tokens] for p in prompts]
     if any(len(i) == 0 for i in ids):
         raise ValueError("an empty prompt has no tokens to continue")
@@ -149,14 +149,14 @@ def toxicity(texts: Sequence[str], scorer: str = "auto", batch_size: int = 64) -
 
 
 @torch.inference_mode()
-def perplexity(loaded: Loaded, texts: Sequence[str], window: int = 256, stride: int = 128,
+def perplexity(lm: Loaded, texts: Sequence[str], window: int = 256, stride: int = 128,
                separator: str = "\n\n", progress: bool = True) -> float:
     """Sliding-window perplexity of the joined ``texts`` (each token scored once, with up to
     ``window - stride`` tokens of context carried over), as in the Hugging Face recipe."""
     _check_positive(window=window, stride=stride)
     if stride > window:
         raise ValueError(f"stride ({stride}) must not exceed window ({window})")
-    tok, model = loaded.tokenizer, loaded.model
+    tok, model = lm.tokenizer, lm.model
     ids = torch.tensor(tok(separator.join(texts))["input_ids"], device=model.device)
     nll, count, prev_end = 0.0, 0, 0
     starts = list(range(0, max(len(ids) - 1, 1), stride))
@@ -176,13 +176,6 @@ def perplexity(loaded: Loaded, texts: Sequence[str], window: int = 256, stride: 
     return math.exp(nll / max(count, 1))
 
 
-def wikitext2_texts(split: str = "test") -> list[str]:
-    """WikiText-2 (raw) through ``datasets``, for users with network; these machines use wiki_samples."""
-    from datasets import load_dataset
-
-    return [t for t in load_dataset("wikitext", "wikitext-2-raw-v1", split=split)["text"] if t.strip()]
-
-
 def f1_bag_of_tokens(generated: Sequence[int] | str, gold: Sequence[int] | str) -> float:
     """F1 of the multiset overlap between generated and gold tokens (Lee et al. 2024)."""
     g = Counter(generated.split() if isinstance(generated, str) else generated)
@@ -194,9 +187,9 @@ def f1_bag_of_tokens(generated: Sequence[int] | str, gold: Sequence[int] | str) 
     return 2 * p * rc / (p + rc)
 
 
-def mean_f1(loaded: Loaded, generations: Generations, golds: Sequence[str]) -> float:
+def mean_f1(lm: Loaded, generations: Generations, golds: Sequence[str]) -> float:
     """Mean token-level F1 of continuations against gold texts, tokenised with the model's tokenizer."""
-    tok = loaded.tokenizer
+    tok = lm.tokenizer
     scores = [f1_bag_of_tokens(new, tok(g, add_special_tokens=False)["input_ids"])
               for new, g in zip(generations.new_ids, golds)]
     return float(np.mean(scores)) if scores else float("nan")

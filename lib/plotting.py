@@ -1,11 +1,12 @@
-"""One figure style and one way to save figures: figures/<model>/<name>.png."""
+"""One figure style and one way to save figures: figures/<model>/<name>.png (a run at non-default
+parameters: results/<model>/runs/<key>/figures/<name>.png, see lib.params)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import matplotlib
 
-from lib import paths
+from lib import params, paths
 
 
 def setup() -> None:
@@ -18,9 +19,17 @@ def setup() -> None:
 
 
 def save(fig, model_name: str, name: str) -> Path:
-    """Save ``fig`` to figures/<model>/<name>.png and return the path (name like '01_probe_accuracy')."""
+    """Save ``fig`` to figures/<model>/<name>.png and return the path (name like '01_probe_accuracy').
+    When the run checked by lib.params.check is for this model and at non-default parameters, the
+    figure goes to its run folder instead (results/<model>/runs/<key>/figures/), so an ad-hoc run
+    never overwrites a tracked figure."""
     if not name or "/" in name:
         raise ValueError(f"figure name must be a plain file stem, got {name!r}")
-    path = paths.figures_dir(model_name) / f"{name}.png"
+    run = params.current()
+    if run is not None and paths.slug(run.model_name) == paths.slug(model_name):
+        folder = run.figures_dir()
+    else:
+        folder = paths.figures_dir(model_name)
+    path = folder / f"{name}.png"
     fig.savefig(path, metadata={"Software": None})
     return path

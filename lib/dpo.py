@@ -12,7 +12,7 @@ later notebook reuses what an earlier one built and every notebook still runs al
   :func:`lib.hooks.residual_add`), kept when the scorer rates it more toxic. Steering with the
   regression weights ``coef_`` themselves barely changes the text (notebook 02 shows both).
 * :func:`train_dpo`: full fine-tuning with TRL's ``DPOTrainer`` (sigmoid loss, beta 0.1).
-* :func:`evaluate`: the Lee et al. (2024) protocol at a chosen size.
+* :func:`toxicity_perplexity_f1`: the Lee et al. (2024) evaluation protocol at a chosen size.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ DEFAULTS: dict = {
     "n_wiki": 32,  # wiki_samples rows for perplexity and F1 (paper: 2,064)
     "max_new_tokens": 20,  # greedy tokens per continuation (paper: 20)
 }
-PROBE_FEATURE_LAYER = -1  # hidden_states index: after the final norm
+PROBE_FEATURE_LAYER = "final"  # the residual stream after the final norm (lib.hooks.residual_point)
 
 
 # ----------------------------------------------------------------------------- probe
@@ -109,14 +109,14 @@ def fit_probe(lm: Loaded, texts: Sequence[str], labels: Sequence[int], val_fract
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
     L_steer = steer_layer(lm, steer_depth) if steer_depth is not None else None
-    layers = (PROBE_FEATURE_LAYER,) if L_steer is None else (PROBE_FEATURE_LAYER, L_steer + 1)
+    layers = (PROBE_FEATURE_LAYER,) if L_steer is None else (PROBE_FEATURE_LAYER, L_steer)
     states = hooks.pooled_residuals(lm, texts, layers, batch_size, max_length, progress, desc="probe states")
     X = states[PROBE_FEATURE_LAYER].numpy()
     idx_tr, idx_va = train_test_split(np.arange(len(y)), test_size=val_fraction, random_state=seed, stratify=y)
     clf = LogisticRegression(max_iter=5000).fit(X[idx_tr], y[idx_tr])
     steer = None
     if L_steer is not None:
-        S, ytr = states[L_steer + 1][torch.tensor(idx_tr)], torch.tensor(y[idx_tr])
+        S, ytr = states[L_steer][torch.tensor(idx_tr)], torch.tensor(y[idx_tr])  # output of block L_steer
         steer = S[ytr == 1].mean(0) - S[ytr == 0].mean(0)
     test_acc = test_bal = test_major = float("nan")
     if test_texts is not None:
@@ -316,22 +316,23 @@ def train_dpo(lm: Loaded, pairs: pd.DataFrame, steps: int = DEFAULTS["dpo_steps"
         cache.atomic_save(None, target, save)
     torch.set_grad_enabled(False)
     dev = "cpu" if str(lm.device) == "cpu" else str(lm.device)
-    loaded = models.load(str(target), device=dev, dtype=lm.model.dtype)
-    loaded.spec = dataclasses.replace(loaded.spec, name=f"{lm.name}-dpo-{target.name.split('-')[-1]}")
-    loaded.info.name = loaded.spec.name
-    return loaded, pd.read_csv(target / "training_log.csv")
+    dpo_lm = models.load(str(target), device=dev, dtype=lm.model.dtype, device_map=lm.device_map)
+    dpo_lm.spec = dataclasses.replace(dpo_lm.spec, name=f"{lm.name}-dpo-{target.name.split('-')[-1]}")
+    dpo_lm.info.name = dpo_lm.spec.name
+    return dpo_lm, pd.read_csv(target / "training_log.csv")
 
 
 def base_and_dpo(model_name: str, device: str = "auto", seed: int = 0, progress: bool = True,
-                 **sizes) -> tuple[Loaded, Loaded, Probe]:
+                 device_map: str | dict | None = None, **sizes) -> tuple[Loaded, Loaded, Probe]:
     """Base model, DPO model and probe in one call, each from the cache when present, else built.
+    ``device`` and ``device_map`` go to :func:`lib.models.load` (the DPO model follows the base);
     ``sizes`` override :data:`DEFAULTS` (unknown keys raise)."""
     unknown = sorted(set(sizes) - set(DEFAULTS))
     if unknown:
         raise ValueError(f"unknown size(s) {', '.join(unknown)}: use any of {', '.join(DEFAULTS)}")
     cfg = {**DEFAULTS, **sizes}
     repro.setup(seed)
-    base = models.load(model_name, device=device)
+    base = models.load(model_name, device=device, device_map=device_map)
     probe = train_probe(base, cfg["n_probe_per_class"], seed, cfg["probe_max_length"], progress=progress,
                         steer_depth=cfg["steer_depth"])
     pairs = preference_pairs(base, probe, cfg["n_pairs"], seed, cfg["steer_scale"], cfg["max_new_tokens"],
@@ -345,9 +346,10 @@ def base_and_dpo(model_name: str, device: str = "auto", seed: int = 0, progress:
 # ----------------------------------------------------------------------------- evaluation
 
 
-def evaluate(lm: Loaded, n_prompts: int = DEFAULTS["n_prompts"], n_wiki: int = DEFAULTS["n_wiki"],
-             max_new_tokens: int = DEFAULTS["max_new_tokens"], batch_size: int = metrics.GENERATE_BATCH_SIZE,
-             scorer: str = "auto", progress: bool = True, details: bool = False) -> dict:
+def toxicity_perplexity_f1(lm: Loaded, n_prompts: int = DEFAULTS["n_prompts"], n_wiki: int = DEFAULTS["n_wiki"],
+                           max_new_tokens: int = DEFAULTS["max_new_tokens"],
+                           batch_size: int = metrics.GENERATE_BATCH_SIZE, scorer: str = "auto",
+                           progress: bool = True, details: bool = False) -> dict:
     """Toxicity, perplexity and F1 as in Lee et al. (2024), at a chosen size.
 
     toxicity: mean scorer probability of the greedy continuations (continuation only) of the first
@@ -378,3 +380,7 @@ def evaluate(lm: Loaded, n_prompts: int = DEFAULTS["n_prompts"], n_wiki: int = D
                    f1s=[metrics.f1_bag_of_tokens(n, tok(g, add_special_tokens=False)["input_ids"])
                         for n, g in zip(wgen.new_ids, golds)])
     return out
+
+
+# DEPRECATED alias: notebooks 02, 03, 05 and 06 call it; remove once they call toxicity_perplexity_f1.
+evaluate = toxicity_perplexity_f1

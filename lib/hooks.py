@@ -11,8 +11,14 @@ nonlinearity, and for gated MLPs ``act(gate) * up``. That is TransformerLens'
 * :func:`value_vectors`, :func:`cosine_with`, :func:`logit_lens`: what each neuron writes.
 * :func:`intervene`: set / scale / add / zero neurons during forward passes and generation.
 * :func:`pooled_residuals`, :func:`residual_means`: mean-pooled residual stream at any layers (for probes).
+* :func:`residual_add`: add a vector to the residual stream after chosen blocks (activation addition).
 * :func:`attention`: capture attention patterns and plug in an attention refinement, through one
   function registered with transformers' ``AttentionInterface``.
+
+Layers, everywhere: an int L is block L, 0..n_layers-1, negative counting from the end (-1 = the
+last block), as :meth:`lib.models.ModelInfo.check_layer` accepts. The residual stream "at layer L"
+is the output of block L (what :func:`residual_add` edits); the residual stream also has the points
+'embed' (the embeddings, before block 0) and 'final' (after the final norm): :func:`residual_point`.
 """
 from __future__ import annotations
 
@@ -68,15 +74,15 @@ class MLPRecorder:
     no mask every position counts. With ``pooled=True`` it also keeps one masked mean per
     sequence: [n_sequences, n_layers, d_mlp].
 
-        with MLPRecorder(loaded) as rec:
+        with MLPRecorder(lm) as rec:
             rec.mask = position_mask(batch["attention_mask"])
-            loaded.model(**batch)
+            lm.model(**batch)
         rec.mean()  # [n_layers, d_mlp]
     """
 
-    def __init__(self, loaded: Loaded, layers: Iterable[int] | None = None, pooled: bool = False):
-        info = loaded.info
-        self.loaded = loaded
+    def __init__(self, lm: Loaded, layers: Iterable[int] | None = None, pooled: bool = False):
+        info = lm.info
+        self.lm = lm
         self.layers = sorted({info.check_layer(int(L)) for L in layers}) if layers is not None else list(range(info.n_layers))
         self.pooled_on = pooled
         self.mask: torch.Tensor | None = None
@@ -101,7 +107,7 @@ class MLPRecorder:
 
     def __enter__(self):
         for slot, L in enumerate(self.layers):
-            self._handles.append(self.loaded.mlp_out_module(L).register_forward_pre_hook(self._hook(slot)))
+            self._handles.append(self.lm.mlp_out_module(L).register_forward_pre_hook(self._hook(slot)))
         return self
 
     def __exit__(self, *exc):
@@ -137,7 +143,7 @@ def batches(items: Sequence, batch_size: int):
 
 
 @torch.inference_mode()
-def mlp_activation_stats(loaded: Loaded, texts: Sequence[str], positions: str = "all", k: int | None = None,
+def mlp_activation_stats(lm: Loaded, texts: Sequence[str], positions: str = "all", k: int | None = None,
                          starts: Sequence[int] | None = None, layers: Iterable[int] | None = None,
                          pooled: bool = False, batch_size: int = 16, max_length: int | None = None,
                          progress: bool = True, desc: str = "MLP activations") -> NeuronStats:
@@ -148,23 +154,23 @@ def mlp_activation_stats(loaded: Loaded, texts: Sequence[str], positions: str = 
     """
     if positions == "from" and (starts is None or len(starts) != len(texts)):
         raise ValueError("positions='from' needs one start index per text")
-    model = loaded.model
-    with MLPRecorder(loaded, layers, pooled) as rec:
+    model = lm.model
+    with MLPRecorder(lm, layers, pooled) as rec:
         n = (len(texts) + batch_size - 1) // batch_size if batch_size > 0 else 0
         for i, chunk in enumerate(tqdm(batches(list(texts), batch_size), total=n, desc=desc, disable=not progress)):
-            enc = encode(loaded, chunk, max_length)
+            enc = encode(lm, chunk, max_length)
             st = None if starts is None else starts[i * batch_size:i * batch_size + len(chunk)]
             rec.mask = position_mask(enc["attention_mask"], positions, k, st)
             _forward_no_logits(model, enc)
     return NeuronStats(rec.mean(), rec.count.float(), rec.layers, rec.pooled() if pooled else None)
 
 
-def encode(loaded: Loaded, texts: Sequence[str], max_length: int | None = None) -> dict:
+def encode(lm: Loaded, texts: Sequence[str], max_length: int | None = None) -> dict:
     """Tokenise a batch (left padding for decoders) with position ids that skip the padding, so a
     text gets the same activations whatever it is batched with (GPT-2 has absolute positions)."""
-    enc = loaded.tokenizer(list(texts), return_tensors="pt", padding=True, truncation=max_length is not None,
-                           max_length=max_length).to(loaded.model.device)
-    if loaded.info.is_causal:
+    enc = lm.tokenizer(list(texts), return_tensors="pt", padding=True, truncation=max_length is not None,
+                       max_length=max_length).to(lm.model.device)
+    if lm.info.is_causal:
         enc["position_ids"] = (enc["attention_mask"].cumsum(-1) - 1).clamp_min(0)
     return dict(enc)
 
@@ -179,16 +185,16 @@ def _forward_no_logits(model, enc):
 # ----------------------------------------------------------------------------- value vectors
 
 
-def value_vectors(loaded: Loaded, layer: int | None = None) -> torch.Tensor:
+def value_vectors(lm: Loaded, layer: int | None = None) -> torch.Tensor:
     """W_out rows: [d_mlp, d_model] for one layer, or [n_layers, d_mlp, d_model] for all.
 
     Row i is what neuron i adds to the residual stream per unit of activation."""
     def one(L):
-        w = loaded.mlp_out_module(L).weight.detach()
-        return w if loaded.info.family == "gpt2" else w.T  # GPT-2 Conv1D stores [in, out]
+        w = lm.mlp_out_module(L).weight.detach()
+        return w if lm.info.family == "gpt2" else w.T  # GPT-2 Conv1D stores [in, out]
     if layer is not None:
         return one(layer)
-    return torch.stack([one(L) for L in range(loaded.info.n_layers)])
+    return torch.stack([one(L) for L in range(lm.info.n_layers)])
 
 
 def cosine_with(vectors: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
@@ -197,34 +203,34 @@ def cosine_with(vectors: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cosine_similarity(vectors, d.expand_as(vectors), dim=-1)
 
 
-def unembedding(loaded: Loaded) -> torch.Tensor:
+def unembedding(lm: Loaded) -> torch.Tensor:
     """[vocab, d_model] unembedding matrix (the LM head; for encoders, the input embedding)."""
-    out = loaded.model.get_output_embeddings() if hasattr(loaded.model, "get_output_embeddings") else None
+    out = lm.model.get_output_embeddings() if hasattr(lm.model, "get_output_embeddings") else None
     if out is None:
-        out = loaded.model.get_input_embeddings()
+        out = lm.model.get_input_embeddings()
     return out.weight.detach()
 
 
-def logit_lens(loaded: Loaded, vector: torch.Tensor, k: int = 10) -> list[str]:
+def logit_lens(lm: Loaded, vector: torch.Tensor, k: int = 10) -> list[str]:
     """The ``k`` tokens a residual-stream vector promotes most (direct logit attribution, no final norm)."""
     if not isinstance(k, int) or k <= 0:
         raise ValueError(f"k must be a positive integer, got {k!r}")
-    logits = unembedding(loaded).float() @ vector.float().to(loaded.model.device)
+    logits = unembedding(lm).float() @ vector.float().to(lm.model.device)
     ids = logits.topk(k).indices.tolist()
-    return [loaded.tokenizer.decode([i]) for i in ids]
+    return [lm.tokenizer.decode([i]) for i in ids]
 
 
-def token_direction(loaded: Loaded, words: Sequence[str], minus: Sequence[str] = (), center: bool = True) -> torch.Tensor:
+def token_direction(lm: Loaded, words: Sequence[str], minus: Sequence[str] = (), center: bool = True) -> torch.Tensor:
     """Mean unembedding of ``words`` (sub-tokens averaged per word) minus that of ``minus``.
 
     With no ``minus`` and ``center``, the vocabulary's mean unembedding is subtracted instead: raw
     unembeddings share a large common component that would dominate every cosine."""
-    W = unembedding(loaded).float()
+    W = unembedding(lm).float()
 
     def mean_of(ws):
         vecs = []
         for w in ws:
-            ids = loaded.tokenizer(" " + w if loaded.info.is_causal else w, add_special_tokens=False)["input_ids"]
+            ids = lm.tokenizer(" " + w if lm.info.is_causal else w, add_special_tokens=False)["input_ids"]
             if not ids:
                 raise ValueError(f"word {w!r} has no tokens")
             vecs.append(W[ids].mean(0))
@@ -261,7 +267,7 @@ def _as_edits(table) -> list[Edit]:
 
 
 @contextlib.contextmanager
-def intervene(loaded: Loaded, table, positions: str | Sequence[int] | None = None):
+def intervene(lm: Loaded, table, positions: str | Sequence[int] | None = None):
     """Edit neurons while the block is active: forward passes and KV-cached generation alike.
 
     ``table``: rows of (layer, neuron, mode, value) as tuples, dicts, :class:`Edit` or a DataFrame.
@@ -269,7 +275,7 @@ def intervene(loaded: Loaded, table, positions: str | Sequence[int] | None = Non
     ``positions``: None/'all' (every position), 'last' (last position of each forward), or a list
     of position indices into each forward's sequence. Hooks are removed on exit, even on error.
     """
-    info = loaded.info
+    info = lm.info
     edits = _as_edits(table)
     grouped: dict[int, dict[str, tuple[list[int], list[float]]]] = {}
     for e in edits:
@@ -311,7 +317,7 @@ def intervene(loaded: Loaded, table, positions: str | Sequence[int] | None = Non
     handles = []
     try:
         for L, by_mode in sorted(grouped.items()):
-            handles.append(loaded.mlp_out_module(L).register_forward_pre_hook(make_hook(by_mode)))
+            handles.append(lm.mlp_out_module(L).register_forward_pre_hook(make_hook(by_mode)))
         yield edits
     finally:
         for h in handles:
@@ -320,54 +326,102 @@ def intervene(loaded: Loaded, table, positions: str | Sequence[int] | None = Non
 
 # ----------------------------------------------------------------------------- residual stream
 
+# Points of the residual stream besides the block outputs: the embeddings (the input of block 0) and
+# the model's last hidden state (after the final norm: GPT-2 ln_f, Llama / Gemma-2 / Mistral norm; for
+# BERT, which has none, the same as the output of the last block).
+RESIDUAL_POINTS = ("embed", "final")
+
+
+def residual_point(lm: Loaded, layer: int | str) -> int | str:
+    """The point of the residual stream that ``layer`` names, in the lib-wide convention: an int L is
+    the output of block L (0..n_layers-1, negative from the end: -1 = the last block), as in
+    :func:`residual_add`, :func:`intervene` and :func:`attention`; or 'embed' / 'final'
+    (:data:`RESIDUAL_POINTS`). Returns the block index in 0..n_layers-1, or the name."""
+    if isinstance(layer, str) and layer in RESIDUAL_POINTS:
+        return layer
+    n = lm.info.n_layers
+    if isinstance(layer, bool) or not isinstance(layer, int) or not -n <= layer < n:
+        raise ValueError(f"layer {layer!r} out of range for {lm.info.name}: use a block 0..{n - 1} "
+                         f"(or -{n}..-1 from the end), 'embed' or 'final'")
+    return layer % n
+
+
+def _first_tensor(output) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output  # [batch, pos, d_model]
+
 
 @torch.inference_mode()
-def pooled_residuals(loaded: Loaded, texts: Sequence[str], layers: Sequence[int] = (-1,), batch_size: int = 16,
-                     max_length: int | None = 128, progress: bool = True,
-                     desc: str = "residual stream") -> dict[int, torch.Tensor]:
+def pooled_residuals(lm: Loaded, texts: Sequence[str], layers: Sequence[int | str] = ("final",),
+                     batch_size: int = 16, max_length: int | None = 128, progress: bool = True,
+                     desc: str = "residual stream") -> dict[int | str, torch.Tensor]:
     """{layer: [n_texts, d_model]} residual stream mean-pooled over non-pad tokens, every layer from
     the same forward pass. Texts are batched by length (less padding) and returned in input order.
 
-    A layer indexes HF ``hidden_states``: 0 = embeddings, L = output of block L-1, and -1 = the
-    last layer after the final norm (what the DPO paper's probe reads)."""
-    n_states = loaded.info.n_layers + 1
-    for layer in layers:
-        if not isinstance(layer, int) or not -n_states <= layer < n_states:
-            raise ValueError(f"layer {layer!r} out of range: hidden_states has {n_states} entries "
-                             f"(0..{n_states - 1}, or -1)")
+    ``layers`` as in :func:`residual_point`: L = the output of block L (-1 = the last block, before
+    any final norm), 'embed' = the embeddings, 'final' = the last hidden state after the final norm
+    (what the DPO paper's probe reads). The keys are the layers as given. (HF ``hidden_states[i]`` is
+    'embed' for i = 0, block i-1 for 0 < i < n_layers, and 'final' for i = n_layers.)"""
+    points = {layer: residual_point(lm, layer) for layer in layers}
     texts = list(texts)
-    lengths = [len(ids) for ids in loaded.tokenizer(texts, add_special_tokens=True)["input_ids"]]
+    lengths = [len(ids) for ids in lm.tokenizer(texts, add_special_tokens=True)["input_ids"]]
     order = sorted(range(len(texts)), key=lambda i: (lengths[i], i))
-    out = {L: torch.empty(len(texts), loaded.info.d_model) for L in layers}
-    base = getattr(loaded.model, "base_model", loaded.model)
-    n = (len(order) + batch_size - 1) // batch_size
-    for chunk in tqdm(batches(order, batch_size), total=n, desc=desc, disable=not progress):
-        enc = encode(loaded, [texts[i] for i in chunk], max_length)
-        hs = base(**enc, output_hidden_states=True).hidden_states
-        m = enc["attention_mask"].unsqueeze(-1).float()
-        for L in layers:
-            out[L][torch.tensor(chunk)] = ((hs[L].float() * m).sum(1) / m.sum(1).clamp_min(1)).cpu()
+    out = {layer: torch.empty(len(texts), lm.info.d_model) for layer in points}
+    base = getattr(lm.model, "base_model", lm.model)
+    batch: dict = {}  # the current batch's mask [batch, pos, 1] and pooled states per point
+
+    def pool(point, h):
+        m = batch["mask"]
+        batch[point] = ((h.float() * m).sum(1) / m.sum(1).clamp_min(1)).cpu()  # [batch, d_model]
+
+    def after_block(L):
+        return lambda module, args, output: pool(L, _first_tensor(output))
+
+    def before_first_block(module, args, kwargs):
+        pool("embed", args[0] if args else kwargs["hidden_states"])
+
+    wanted = set(points.values())
+    handles = []
+    try:
+        for L in sorted(p for p in wanted if isinstance(p, int)):
+            handles.append(block_module(lm, L).register_forward_hook(after_block(L)))
+        if "embed" in wanted:
+            handles.append(block_module(lm, 0).register_forward_pre_hook(before_first_block, with_kwargs=True))
+        n = (len(order) + batch_size - 1) // batch_size
+        for chunk in tqdm(batches(order, batch_size), total=n, desc=desc, disable=not progress):
+            enc = encode(lm, [texts[i] for i in chunk], max_length)
+            batch.clear()
+            batch["mask"] = enc["attention_mask"].unsqueeze(-1).float()
+            res = base(**enc, **({"use_cache": False} if lm.info.is_causal else {}))
+            if "final" in wanted:
+                pool("final", res[0])  # last_hidden_state
+            idx = torch.tensor(chunk)
+            for layer, point in points.items():
+                out[layer][idx] = batch[point]
+    finally:
+        for h in handles:
+            h.remove()
     return out
 
 
-def residual_means(loaded: Loaded, texts: Sequence[str], layer: int = -1, batch_size: int = 16,
+def residual_means(lm: Loaded, texts: Sequence[str], layer: int | str = "final", batch_size: int = 16,
                    max_length: int | None = 128, progress: bool = True) -> torch.Tensor:
-    """[n_texts, d_model] residual stream at one ``layer``, mean-pooled: :func:`pooled_residuals`."""
-    return pooled_residuals(loaded, texts, (layer,), batch_size, max_length, progress)[layer]
+    """[n_texts, d_model] residual stream at one ``layer`` (see :func:`residual_point`), mean-pooled:
+    :func:`pooled_residuals`."""
+    return pooled_residuals(lm, texts, (layer,), batch_size, max_length, progress)[layer]
 
 
-def block_module(loaded: Loaded, layer: int):
+def block_module(lm: Loaded, layer: int):
     """The whole transformer block ``layer`` (its output is the residual stream after the block)."""
-    prefix = loaded.info.mlp_out.split("{L}")[0] + "{L}"  # 'layers.{L}', 'h.{L}', 'encoder.layer.{L}'
-    return loaded.model.base_model.get_submodule(prefix.format(L=loaded.info.check_layer(layer)))
+    prefix = lm.info.mlp_out.split("{L}")[0] + "{L}"  # 'layers.{L}', 'h.{L}', 'encoder.layer.{L}'
+    return lm.model.base_model.get_submodule(prefix.format(L=lm.info.check_layer(layer)))
 
 
 @contextlib.contextmanager
-def residual_add(loaded: Loaded, vector: torch.Tensor, layers: Iterable[int] | None = None):
+def residual_add(lm: Loaded, vector: torch.Tensor, layers: Iterable[int] | None = None):
     """Activation addition: add ``vector`` [d_model] to the residual stream after each chosen block
     (default: all), at every position, in forward passes and KV-cached generation alike.
     Hooks are removed on exit, even on error."""
-    info = loaded.info
+    info = lm.info
     if vector.shape != (info.d_model,):
         raise ValueError(f"vector must have shape [{info.d_model}] (d_model), got {list(vector.shape)}")
     chosen = sorted({info.check_layer(int(L)) for L in layers}) if layers is not None else range(info.n_layers)
@@ -380,7 +434,7 @@ def residual_add(loaded: Loaded, vector: torch.Tensor, layers: Iterable[int] | N
     handles = []
     try:
         for L in chosen:
-            handles.append(block_module(loaded, L).register_forward_hook(hook))
+            handles.append(block_module(lm, L).register_forward_hook(hook))
         yield
     finally:
         for h in handles:
@@ -447,7 +501,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
 
 
 @contextlib.contextmanager
-def attention(loaded: Loaded, refine: Callable | None = None, capture: Callable | None = None,
+def attention(lm: Loaded, refine: Callable | None = None, capture: Callable | None = None,
               layers: Iterable[int] | None = None):
     """Route the chosen layers' attention through one eager function with plug points.
 
@@ -457,15 +511,15 @@ def attention(loaded: Loaded, refine: Callable | None = None, capture: Callable 
     The model's attention implementation is restored on exit, even on error.
     """
     _register()
-    info = loaded.info
+    info = lm.info
     chosen = sorted({info.check_layer(int(L)) for L in layers}) if layers is not None else range(info.n_layers)
-    model = loaded.model
+    model = lm.model
     previous = model.config._attn_implementation
     mods = []
     try:
         model.set_attn_implementation(ATTN_NAME)
         for L in chosen:
-            m = loaded.attention_module(L)
+            m = lm.attention_module(L)
             m._compendium_layer = L
             m._compendium_refine = refine
             m._compendium_capture = capture
@@ -482,8 +536,8 @@ class AttentionRecorder:
     """Keeps attention patterns [batch, heads, q, k] per layer (on CPU) and their validity masks.
 
         rec = AttentionRecorder()
-        with hooks.attention(loaded, capture=rec):
-            loaded.model(**enc)
+        with hooks.attention(lm, capture=rec):
+            lm.model(**enc)
         rec.patterns[L]
     """
 

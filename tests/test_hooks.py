@@ -5,25 +5,25 @@ import torch
 from lib import hooks
 
 
-def _enc(loaded, texts):
-    return hooks.encode(loaded, texts)
+def _enc(lm, texts):
+    return hooks.encode(lm, texts)
 
 
-def _full_activations(loaded, enc, layer):
+def _full_activations(lm, enc, layer):
     """The slow, obvious way: keep the whole [batch, pos, d_mlp] input of W_out."""
     seen = {}
-    h = loaded.mlp_out_module(layer).register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[0].detach()))
+    h = lm.mlp_out_module(layer).register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[0].detach()))
     try:
         with torch.no_grad():
-            out = loaded.model(**enc)
+            out = lm.model(**enc)
     finally:
         h.remove()
     return seen["x"], out
 
 
-def _out(loaded, enc):
+def _out(lm, enc):
     with torch.no_grad():
-        return loaded.model(**enc)[0]
+        return lm.model(**enc)[0]
 
 
 def test_position_mask_left_and_right_padding():
@@ -141,23 +141,61 @@ def test_intervention_is_active_during_cached_generation(tiny_decoder):
 
 
 def test_residual_means(tiny, texts):
-    r = hooks.residual_means(tiny, texts, layer=-1, batch_size=2, progress=False)
-    assert r.shape == (len(texts), tiny.info.d_model) and torch.isfinite(r).all()
-    with pytest.raises(ValueError, match="layer"):
-        hooks.residual_means(tiny, texts, layer=17)
+    for layer in (-1, 0, "embed", "final"):
+        r = hooks.residual_means(tiny, texts, layer=layer, batch_size=2, progress=False)
+        assert r.shape == (len(texts), tiny.info.d_model) and torch.isfinite(r).all()
+    for bad in (17, -3, "last", 1.0):
+        with pytest.raises(ValueError, match="layer"):
+            hooks.residual_means(tiny, texts, layer=bad)
 
 
 def test_pooled_residuals_keeps_input_order_and_matches_one_text_at_a_time(tiny, texts):
     """Batched by length, returned in input order: each row equals the text's state pooled alone
     (no padding), at every requested layer of the one pass."""
-    layers = (0, 1, -1)
+    layers = ("embed", 0, 1, -1, "final")
     got = hooks.pooled_residuals(tiny, texts, layers, batch_size=3, progress=False)
+    assert list(got) == list(layers)
     for L in layers:
         alone = torch.cat([hooks.residual_means(tiny, [t], L, progress=False) for t in texts])
         torch.testing.assert_close(got[L], alone, atol=1e-5, rtol=1e-4)
     assert not torch.allclose(got[0], got[-1])
+    assert torch.equal(got[1], got[-1])  # -1 is the last block (2 blocks)
     with pytest.raises(ValueError, match="layer"):
         hooks.pooled_residuals(tiny, texts, (0, 99))
+
+
+def test_residual_layers_are_block_outputs(tiny, texts):
+    """The layer convention, the slow way: L is what block L returns (the point residual_add edits),
+    'embed' what enters block 0, 'final' the model's last hidden state (after the final norm); HF's
+    hidden_states[i] is block i-1 for 0 < i < n_layers."""
+    enc = _enc(tiny, texts)
+    seen = {}
+    hs = [hooks.block_module(tiny, L).register_forward_hook(
+        lambda m, a, o, L=L: seen.__setitem__(L, (o[0] if isinstance(o, tuple) else o).detach()))
+        for L in range(tiny.info.n_layers)]
+    try:
+        with torch.no_grad():
+            res = tiny.model.base_model(**enc, output_hidden_states=True)
+    finally:
+        for h in hs:
+            h.remove()
+    m = enc["attention_mask"].unsqueeze(-1).float()
+    pool = lambda h: (h.float() * m).sum(1) / m.sum(1)  # noqa: E731
+    blocks = [hooks.block_module(tiny, L) for L in range(tiny.info.n_layers)]
+    n_hooks = lambda: [(len(b._forward_hooks), len(b._forward_pre_hooks)) for b in blocks]  # noqa: E731
+    before = n_hooks()  # (HF's own hidden_states recorder stays installed)
+    got = hooks.pooled_residuals(tiny, texts, ("embed", 0, 1, "final"), batch_size=len(texts), progress=False)
+    assert n_hooks() == before  # pooled_residuals removed its hooks
+    for L in range(tiny.info.n_layers):
+        torch.testing.assert_close(got[L], pool(seen[L]), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got["embed"], pool(res.hidden_states[0]), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got[0], pool(res.hidden_states[1]), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got["final"], pool(res.last_hidden_state), atol=1e-5, rtol=1e-4)
+    if tiny.info.family == "bert":  # no final norm: 'final' is the last block's output
+        torch.testing.assert_close(got["final"], got[1])
+    else:
+        assert not torch.allclose(got["final"], got[1])
+    assert hooks.residual_point(tiny, -1) == tiny.info.n_layers - 1
 
 
 def test_compendium_attention_equals_eager_and_captures(tiny, texts):

@@ -13,7 +13,8 @@ nonlinearity, and for gated MLPs ``act(gate) * up``. That is TransformerLens'
 * :func:`pooled_residuals`, :func:`residual_means`: mean-pooled residual stream at any layers (for probes).
 * :func:`residual_add`: add a vector to the residual stream after chosen blocks (activation addition).
 * :func:`attention`: capture attention patterns and plug in an attention refinement, through one
-  function registered with transformers' ``AttentionInterface``.
+  function registered with transformers' ``AttentionInterface``; the plugs live in an explicit
+  registry for the duration of the block, nothing is stored on the Hugging Face modules.
 
 Layers, everywhere: an int L is block L, 0..n_layers-1, negative counting from the end (-1 = the
 last block), as :meth:`lib.models.ModelInfo.check_layer` accepts. The residual stream "at layer L"
@@ -448,6 +449,29 @@ ATTN_NAME = "compendium"
 _registered = False
 
 
+@dataclass(frozen=True)
+class AttentionPlug:
+    """What :func:`_attention` does at one attention module while a :func:`attention` block is open."""
+    layer: int
+    refine: Callable | None = None
+    capture: Callable | None = None
+
+
+# The plug points of the open :func:`attention` blocks, keyed by attention module (each block adds
+# its modules on entry and restores what was there on exit). Nothing is stored on the modules.
+_PLUGS: dict[torch.nn.Module, AttentionPlug] = {}
+
+
+class _LayerIndex(int):
+    """The layer handed to ``refine`` / ``capture``: a plain int. DEPRECATED: ``._compendium_layer``
+    (the layer, as callbacks written for the old module attribute read it) goes once the notebooks
+    take ``layer`` (see notes/renames.md)."""
+
+    @property
+    def _compendium_layer(self) -> int:
+        return int(self)
+
+
 def _register():
     """Route attention through :func:`_attention` under the name 'compendium' (once per process)."""
     global _registered
@@ -470,6 +494,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
 
     query [batch, heads, q, d]; key/value [batch, kv_heads, k, d]; attention_mask additive
     [batch, 1, q, k] or None. Returns (output [batch, q, heads, d], pattern [batch, heads, q, k]).
+    The plugs for ``module`` come from :data:`_PLUGS`; a module without one runs plain eager attention.
     """
     n_rep = query.shape[1] // key.shape[1]
     key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
@@ -486,15 +511,15 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         else:
             valid = mask > torch.finfo(mask.dtype).min / 2
         scores = scores + mask
-    refine = getattr(module, "_compendium_refine", None)
-    if refine is not None:
-        scores = refine(scores, valid, module)
+    plug = _PLUGS.get(module)
+    layer = None if plug is None else _LayerIndex(plug.layer)
+    if plug is not None and plug.refine is not None:
+        scores = plug.refine(scores, valid, layer)
         if valid is not None:
             scores = scores.masked_fill(~valid, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    capture = getattr(module, "_compendium_capture", None)
-    if capture is not None:
-        capture(probs, valid, module)
+    if plug is not None and plug.capture is not None:
+        plug.capture(probs, valid, layer)
     probs_d = torch.nn.functional.dropout(probs, p=dropout, training=module.training)
     out = torch.matmul(probs_d, value).transpose(1, 2).contiguous()
     return out, probs
@@ -503,32 +528,34 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
 @contextlib.contextmanager
 def attention(lm: Loaded, refine: Callable | None = None, capture: Callable | None = None,
               layers: Iterable[int] | None = None):
-    """Route the chosen layers' attention through one eager function with plug points.
+    """Route the chosen layers' attention (default: all) through one eager function with plug points.
 
-    ``refine(scores, valid, module) -> scores``: new logits from the masked logits
-    [batch, heads, q, k] (``valid``: bool [batch, 1, q, k] or None); masked keys stay masked.
-    ``capture(probs, valid, module)``: sees every pattern; ``module._compendium_layer`` is its layer.
-    The model's attention implementation is restored on exit, even on error.
+    ``refine(scores, valid, layer) -> scores``: new logits from the masked logits [batch, heads, q, k]
+    (``valid``: bool [batch, 1, q, k] or None; ``layer``: the block index, an int); masked keys stay
+    masked. ``capture(probs, valid, layer)``: sees every pattern. Yields {layer: :class:`AttentionPlug`}.
+    A block opened inside another takes over the layers it chooses until it exits. On exit the
+    plugs and the model's attention implementation are restored, even on error.
     """
     _register()
     info = lm.info
     chosen = sorted({info.check_layer(int(L)) for L in layers}) if layers is not None else range(info.n_layers)
     model = lm.model
     previous = model.config._attn_implementation
-    mods = []
+    saved: dict[torch.nn.Module, AttentionPlug | None] = {}
+    plugs = {L: AttentionPlug(L, refine, capture) for L in chosen}
     try:
         model.set_attn_implementation(ATTN_NAME)
-        for L in chosen:
+        for L, plug in plugs.items():
             m = lm.attention_module(L)
-            m._compendium_layer = L
-            m._compendium_refine = refine
-            m._compendium_capture = capture
-            mods.append(m)
-        yield
+            saved[m] = _PLUGS.get(m)
+            _PLUGS[m] = plug
+        yield plugs
     finally:
-        for m in mods:
-            m._compendium_refine = None
-            m._compendium_capture = None
+        for m, before in saved.items():
+            if before is None:
+                _PLUGS.pop(m, None)
+            else:
+                _PLUGS[m] = before
         model.set_attn_implementation(previous)
 
 
@@ -545,7 +572,7 @@ class AttentionRecorder:
         self.patterns: dict[int, torch.Tensor] = {}
         self.valid: dict[int, torch.Tensor | None] = {}
 
-    def __call__(self, probs, valid, module):
-        L = module._compendium_layer
+    def __call__(self, probs, valid, layer: int):
+        L = int(layer)
         self.patterns[L] = probs.detach().float().cpu()
         self.valid[L] = None if valid is None else valid.detach().cpu()

@@ -80,11 +80,6 @@ def messages(scores: torch.Tensor, valid: torch.Tensor | None, J) -> torch.Tenso
     return A_off @ log_msg  # [b, h, n, n]
 
 
-def refine_scores(scores: torch.Tensor, valid: torch.Tensor | None, J) -> torch.Tensor:
-    """S + M, in the logits' dtype (the attention hook re-applies the mask afterwards)."""
-    return scores + messages(scores, valid, J).to(scores.dtype)
-
-
 def messages_loop(scores: torch.Tensor, valid: torch.Tensor | None, J: float) -> torch.Tensor:
     """The same M written as the slow obvious triple loop (for tests): one batch row, one head."""
     A = _probs(scores, valid)
@@ -146,7 +141,7 @@ def gtd_2hop(probs: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Te
 class SAOBP(nn.Module):
     """J per layer and head ([n_layers, n_heads]); call it as the ``refine`` of :func:`hooks.attention`.
 
-    ``learnable=False`` keeps J fixed (a sweep). ``observer(scores, M, valid, module)`` if set sees
+    ``learnable=False`` keeps J fixed (a sweep). ``observer(scores, M, valid, layer)`` if set sees
     every message (e.g. :class:`AttentionStats` for GTD_msg)."""
 
     def __init__(self, n_layers: int, n_heads: int, J: float = 0.0, learnable: bool = True):
@@ -158,36 +153,36 @@ class SAOBP(nn.Module):
     def g(self) -> torch.Tensor:
         return torch.expm1(self.J.detach())
 
-    def forward(self, scores, valid, module):
-        L = module._compendium_layer
+    def forward(self, scores, valid, layer: int):
+        L = int(layer)
         M = messages(scores, valid, self.J[L])
         if self.observer is not None:
-            self.observer(scores, M, valid, module)
+            self.observer(scores, M, valid, L)
         return scores + M.to(scores.dtype)
 
 
-def attach(loaded: models.Loaded, J: float = 0.0, learnable: bool = True) -> SAOBP:
-    """Attach an :class:`SAOBP` as ``loaded.model.saobp`` (a submodule: trained and saved with the model)."""
-    info = loaded.info
-    mod = SAOBP(info.n_layers, info.n_heads, J, learnable).to(next(loaded.model.parameters()).device)
-    loaded.model.saobp = mod
+def attach(lm: models.Loaded, J: float = 0.0, learnable: bool = True) -> SAOBP:
+    """Attach an :class:`SAOBP` as ``lm.model.saobp`` (a submodule: trained and saved with the model)."""
+    info = lm.info
+    mod = SAOBP(info.n_layers, info.n_heads, J, learnable).to(next(lm.model.parameters()).device)
+    lm.model.saobp = mod
     return mod
 
 
-def get(loaded: models.Loaded) -> SAOBP | None:
-    return getattr(loaded.model, "saobp", None)
+def get(lm: models.Loaded) -> SAOBP | None:
+    return getattr(lm.model, "saobp", None)
 
 
 @contextlib.contextmanager
-def active(loaded: models.Loaded, capture: Callable | None = None):
+def active(lm: models.Loaded, capture: Callable | None = None):
     """Run the model with its attached SAOBP (if any) and an optional capture (e.g. AttentionStats).
 
     Without an attached SAOBP this is the plain model through the same eager attention function."""
-    mod = get(loaded)
+    mod = get(lm)
     if mod is not None and isinstance(capture, AttentionStats):
         mod.observer = capture.observe
     try:
-        with hooks.attention(loaded, refine=mod, capture=capture):
+        with hooks.attention(lm, refine=mod, capture=capture):
             yield
     finally:
         if mod is not None:
@@ -222,16 +217,16 @@ class AttentionStats:
             raise ValueError("per_sequence needs AttentionStats(..., keep_sequences=True)")
         return np.array(self.seq[name], dtype=float).T
 
-    def __call__(self, probs, valid, module):
-        L = module._compendium_layer
+    def __call__(self, probs, valid, layer: int):
+        L = int(layer)
         qm = query_mask(valid, probs.shape)
         raw, norm = metrics.attention_entropy(probs.detach(), None if valid is None else valid.detach(), qm)
         self._add("entropy", L, raw)
         self._add("entropy_norm", L, norm)
         self._add("gtd_2hop", L, gtd_2hop(probs.detach(), None if valid is None else valid.detach()))
 
-    def observe(self, scores, M, valid, module):
-        self._add("gtd_msg", module._compendium_layer, gtd_msg(scores.detach(), M.detach(), valid))
+    def observe(self, scores, M, valid, layer: int):
+        self._add("gtd_msg", int(layer), gtd_msg(scores.detach(), M.detach(), valid))
 
     def per_head(self, name: str) -> torch.Tensor:
         """[n_layers, n_heads] mean over sequences (NaN where nothing was seen)."""
@@ -261,28 +256,28 @@ def batches(enc: dict, batch_size: int):
         yield trim({k: v[i:i + batch_size] for k, v in enc.items()})
 
 
-def attention_stats(loaded: models.Loaded, enc: dict, batch_size: int = 16, progress: bool = False,
+def attention_stats(lm: models.Loaded, enc: dict, batch_size: int = 16, progress: bool = False,
                     desc: str = "attention", keep_sequences: bool = False) -> AttentionStats:
     """Stream :class:`AttentionStats` over encoded inputs (labels are dropped; no gradients)."""
     from tqdm.auto import tqdm
 
-    stats = AttentionStats(loaded.info.n_layers, loaded.info.n_heads, keep_sequences)
-    model = loaded.model
+    stats = AttentionStats(lm.info.n_layers, lm.info.n_heads, keep_sequences)
+    model = lm.model
     was = model.training
     model.eval()
     inputs = {k: v for k, v in enc.items() if k != "labels"}
     n = len(inputs["input_ids"])
     try:
-        with active(loaded, capture=stats), torch.no_grad():
+        with active(lm, capture=stats), torch.no_grad():
             for b in tqdm(list(batches(inputs, batch_size)), desc=desc, disable=not progress, total=math.ceil(n / batch_size)):
-                model(**{k: v.to(loaded.device) for k, v in b.items()}, **_no_cache(loaded))
+                model(**{k: v.to(lm.device) for k, v in b.items()}, **_no_cache(lm))
     finally:
         model.train(was)
     return stats
 
 
-def _no_cache(loaded):
-    return {"use_cache": False} if loaded.info.is_causal else {}
+def _no_cache(lm):
+    return {"use_cache": False} if lm.info.is_causal else {}
 
 
 # ----------------------------------------------------------------------------- synthetic two-hop QA
@@ -377,10 +372,10 @@ def small_model(family: str, n_layers: int, d_model: int, vocab: Vocab, tokenize
         kind = "causal"
     name = f"scratch-{family}-{n_layers}x{d_model}"
     spec = models.ModelSpec(name, name, kind, "random")
-    loaded = models.Loaded(model, tokenizer, models.info_from_model(model, name), spec, "cpu", None)
+    lm = models.Loaded(model, tokenizer, models.info_from_model(model, name), spec, "cpu", None)
     if saobp is not None:
-        attach(loaded, J=J, learnable=saobp == "learnable")
-    return loaded
+        attach(lm, J=J, learnable=saobp == "learnable")
+    return lm
 
 
 def encode_classification(tokenizer, df: pd.DataFrame, max_length: int, vocab: Vocab | None = None) -> dict:
@@ -416,7 +411,7 @@ class TrainLog:
     seconds_per_step: float = float("nan")
 
 
-def train(loaded: models.Loaded, enc: dict, steps: int, batch_size: int = 32, lr: float = 1e-3,
+def train(lm: models.Loaded, enc: dict, steps: int, batch_size: int = 32, lr: float = 1e-3,
           j_lr: float = 0.05, seed: int = 0, progress: bool = False, desc: str = "train") -> TrainLog:
     """AdamW on random mini-batches (seeded) of ``enc`` (must hold ``labels``), through :func:`active`.
 
@@ -425,7 +420,7 @@ def train(loaded: models.Loaded, enc: dict, steps: int, batch_size: int = 32, lr
 
     if not torch.is_grad_enabled():
         raise RuntimeError("training needs autograd: call repro.setup(seed, grad=True) first")
-    model = loaded.model
+    model = lm.model
     j_params = [p for n, p in model.named_parameters() if n.startswith("saobp.") and p.requires_grad]
     ids = {id(p) for p in j_params}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
@@ -436,11 +431,11 @@ def train(loaded: models.Loaded, enc: dict, steps: int, batch_size: int = 32, lr
     log = TrainLog()
     model.train()
     t0 = time.perf_counter()
-    with active(loaded):
+    with active(lm):
         for _ in tqdm(range(steps), desc=desc, disable=not progress):
             idx = torch.randint(0, n, (batch_size,), generator=gen)
-            batch = {k: v.to(loaded.device) for k, v in trim({k: v[idx] for k, v in enc.items()}).items()}
-            loss = model(**batch, **_no_cache(loaded)).loss
+            batch = {k: v.to(lm.device) for k, v in trim({k: v[idx] for k, v in enc.items()}).items()}
+            loss = model(**batch, **_no_cache(lm)).loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -450,16 +445,17 @@ def train(loaded: models.Loaded, enc: dict, steps: int, batch_size: int = 32, lr
     return log
 
 
-def evaluate(loaded: models.Loaded, enc: dict, batch_size: int = 64) -> dict:
-    """Accuracy (classification: logits [b, labels]) or perplexity and mean loss (causal LM)."""
-    model = loaded.model
+def accuracy_or_perplexity(lm: models.Loaded, enc: dict, batch_size: int = 64) -> dict:
+    """A trained model on encoded dev data: {'accuracy'} for a classifier (logits [b, labels]), or
+    {'loss', 'perplexity'} (mean next-token loss) for a causal LM."""
+    model = lm.model
     model.eval()
     correct = total = 0
     nll = 0.0
-    with active(loaded), torch.no_grad():
+    with active(lm), torch.no_grad():
         for b in batches(enc, batch_size):
-            b = {k: v.to(loaded.device) for k, v in b.items()}
-            if loaded.info.is_causal:
+            b = {k: v.to(lm.device) for k, v in b.items()}
+            if lm.info.is_causal:
                 out = model(**b, use_cache=False)
                 logits = out.logits[:, :-1].float()
                 tgt = b["labels"][:, 1:]
@@ -471,9 +467,13 @@ def evaluate(loaded: models.Loaded, enc: dict, batch_size: int = 64) -> dict:
                 pred = model(**b).logits.argmax(-1)
                 correct += int((pred == labels).sum())
                 total += len(labels)
-    if loaded.info.is_causal:
+    if lm.info.is_causal:
         return {"loss": nll / total, "perplexity": math.exp(nll / total)}
     return {"accuracy": correct / total}
+
+
+# DEPRECATED alias: notebook 08 calls it; remove once it calls accuracy_or_perplexity.
+evaluate = accuracy_or_perplexity
 
 
 # ----------------------------------------------------------------------------- one cached experiment
@@ -542,14 +542,14 @@ def scratch_run(task: str, size: str, seed: int, variant: str, steps: int, batch
         tr, dev, vocab = task_data(task, tok, max_length, vocab_size, n_eval)
         n_labels = None if task == "LM" else int(max(int(tr["labels"].max()), int(dev["labels"].max())) + 1)
         L, d = SIZES[size]
-        loaded = small_model("llama" if task == "LM" else "bert", L, d, vocab, tok, num_labels=n_labels, seed=seed,
-                             max_positions=max(128, max_length), saobp=modes[variant], J=J)
+        lm = small_model("llama" if task == "LM" else "bert", L, d, vocab, tok, num_labels=n_labels, seed=seed,
+                         max_positions=max(128, max_length), saobp=modes[variant], J=J)
         with torch.enable_grad():
-            log = train(loaded, tr, steps, batch_size, lr, j_lr, seed, progress, desc=f"{task} {size} {variant} s{seed}")
-        scores = evaluate(loaded, dev)
+            log = train(lm, tr, steps, batch_size, lr, j_lr, seed, progress, desc=f"{task} {size} {variant} s{seed}")
+        scores = accuracy_or_perplexity(lm, dev)
         sub = {k: v[:n_stats] for k, v in dev.items()}
-        st = attention_stats(loaded, sub, batch_size=32)
-        mod = get(loaded)
+        st = attention_stats(lm, sub, batch_size=32)
+        mod = get(lm)
         return {"params": params, "metrics": scores, "seconds_per_step": log.seconds_per_step, "losses": log.losses,
                 "table": st.table(), "per_head": {m: st.per_head(m) for m in AttentionStats.METRICS},
                 "J": None if mod is None else mod.J.detach().clone()}

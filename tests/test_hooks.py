@@ -222,9 +222,42 @@ def test_identity_refinement_changes_nothing(tiny, texts):
     enc = _enc(tiny, texts)
     with hooks.attention(tiny):
         ref = _out(tiny, enc)
-    with hooks.attention(tiny, refine=lambda s, valid, module: s):
+    with hooks.attention(tiny, refine=lambda s, valid, layer: s):
         got = _out(tiny, enc)
     torch.testing.assert_close(got, ref)
-    with hooks.attention(tiny, refine=lambda s, valid, module: s * 0.0, layers=[0]):
+    with hooks.attention(tiny, refine=lambda s, valid, layer: s * 0.0, layers=[0]):
         flat = _out(tiny, enc)
     assert not torch.allclose(flat, ref)
+
+
+def test_attention_plugs_are_explicit_and_gone_after_exit(tiny, texts):
+    """Callbacks get the block index; nothing is set on the HF modules; an inner block takes over its
+    layers and hands them back; every plug is gone after the outer block, even on error."""
+    enc = _enc(tiny, texts)
+    mods = [tiny.attention_module(L) for L in range(tiny.info.n_layers)]
+    before = [set(vars(m)) for m in mods]
+    impl = tiny.model.config._attn_implementation
+    outer, inner = [], []
+    with pytest.raises(RuntimeError, match="boom"):
+        with hooks.attention(tiny, capture=lambda p, v, layer: outer.append(layer)) as plugs:
+            assert sorted(plugs) == list(range(tiny.info.n_layers))
+            assert [set(vars(m)) for m in mods] == before
+            with hooks.attention(tiny, capture=lambda p, v, layer: inner.append(layer), layers=[-1]):
+                _out(tiny, enc)
+            assert outer == [0] and inner == [tiny.info.n_layers - 1]
+            _out(tiny, enc)
+            assert outer == [0, 0, 1] and all(type(L) is not bool and isinstance(L, int) for L in outer)
+            raise RuntimeError("boom")
+    assert hooks._PLUGS == {}
+    assert tiny.model.config._attn_implementation == impl
+    assert [set(vars(m)) for m in mods] == before
+    _out(tiny, enc)
+    assert outer == [0, 0, 1]  # no capture outside the block
+
+
+def test_deprecated_layer_attribute_still_reads_the_layer(tiny, texts):
+    """Until notebook 08 takes ``layer`` (notes/renames.md), ``layer._compendium_layer`` is the layer."""
+    seen = []
+    with hooks.attention(tiny, capture=lambda p, v, layer: seen.append((layer, layer._compendium_layer))):
+        _out(tiny, _enc(tiny, texts))
+    assert seen == [(L, L) for L in range(tiny.info.n_layers)]

@@ -12,21 +12,21 @@ PAD_TEXTS = ["the cat sat on the mat today", "a b", "hello there my friend"]
 
 @pytest.fixture(scope="module", params=["bert", "llama", "gpt2", "mistral"])
 def tiny_fam(request, device):
-    loaded = models.tiny_random(request.param)
-    loaded.model.to(device)
-    loaded.device = device
-    return loaded
+    lm = models.tiny_random(request.param)
+    lm.model.to(device)
+    lm.device = device
+    return lm
 
 
-def _logits(loaded, enc):
-    enc = {k: v.to(loaded.device) for k, v in enc.items()}
+def _logits(lm, enc):
+    enc = {k: v.to(lm.device) for k, v in enc.items()}
     with torch.no_grad():
-        return loaded.model(**enc)[0]
+        return lm.model(**enc)[0]
 
 
-def _detach(loaded):
-    if hasattr(loaded.model, "saobp"):
-        del loaded.model.saobp
+def _detach(lm):
+    if hasattr(lm.model, "saobp"):
+        del lm.model.saobp
 
 
 def test_zero_J_reproduces_the_plain_model(tiny_fam):
@@ -191,7 +191,7 @@ def test_small_models_train_and_evaluate():
     with torch.enable_grad():
         log = saobp.train(clf, enc, steps=3, batch_size=8, seed=0)
     assert len(log.losses) == 3 and not torch.equal(J0, clf.model.saobp.J.detach())
-    acc = saobp.evaluate(clf, enc)["accuracy"]
+    acc = saobp.accuracy_or_perplexity(clf, enc)["accuracy"]
     assert 0.0 <= acc <= 1.0
     lm_enc = saobp.encode_lm(tok, df["text_a"].tolist()[:20], 16, vocab)
     assert lm_enc["input_ids"].shape[1] == 16
@@ -199,7 +199,7 @@ def test_small_models_train_and_evaluate():
     with torch.enable_grad():
         saobp.train(lm, lm_enc, steps=2, batch_size=4)
     assert lm.model.saobp.J.detach().eq(-1.0).all()
-    ppl = saobp.evaluate(lm, lm_enc)["perplexity"]
+    ppl = saobp.accuracy_or_perplexity(lm, lm_enc)["perplexity"]
     assert 1.0 < ppl < 10 * vocab.size
     with pytest.raises(RuntimeError, match="autograd"):
         with torch.no_grad():

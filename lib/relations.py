@@ -140,9 +140,9 @@ def is_correct(continuation: str, gold: str) -> bool:
     return bool(g) and continuation.strip().lower().startswith(g)
 
 
-def gold_first_token(loaded: Loaded, gold: str, leading_space: bool = True) -> int:
+def gold_first_token(lm: Loaded, gold: str, leading_space: bool = True) -> int:
     """Id of the first token of the gold object as it would follow the prompt (' ' + gold)."""
-    ids = loaded.tokenizer((" " if leading_space else "") + gold.strip(), add_special_tokens=False)["input_ids"]
+    ids = lm.tokenizer((" " if leading_space else "") + gold.strip(), add_special_tokens=False)["input_ids"]
     if not ids:
         raise ValueError(f"gold object {gold!r} has no tokens")
     return int(ids[0])
@@ -153,28 +153,32 @@ def zero_edits(neurons) -> list[tuple[int, int, str, float]]:
     return [(int(L), int(i), "zero", 0.0) for L, i in np.asarray(neurons, dtype=int).reshape(-1, 2)]
 
 
-def evaluate(loaded: Loaded, prompts: Sequence[str], golds: Sequence[str], off=None, max_new_tokens: int = 4,
-             batch_size: int = 32, max_prompt_tokens: int = 256, progress: bool = False,
-             desc: str = "recall") -> pd.DataFrame:
+def greedy_recall(lm: Loaded, prompts: Sequence[str], golds: Sequence[str], off=None, max_new_tokens: int = 4,
+                  batch_size: int = 32, max_prompt_tokens: int = 256, progress: bool = False,
+                  desc: str = "recall") -> pd.DataFrame:
     """Greedy recall of ``golds``; ``off`` = neurons [(layer, neuron), ...] zeroed at all positions.
 
     Returns one row per prompt: continuation, correct (bool), rank (of the gold's first token in
     the first step, 0 = the greedy choice) and logprob (of that token)."""
     if len(prompts) != len(golds):
         raise ValueError(f"{len(prompts)} prompts but {len(golds)} gold objects")
-    longest = max((len(loaded.tokenizer(p)["input_ids"]) for p in prompts), default=0)
+    longest = max((len(lm.tokenizer(p)["input_ids"]) for p in prompts), default=0)
     if longest > max_prompt_tokens:
         raise ValueError(f"a prompt has {longest} tokens, more than max_prompt_tokens={max_prompt_tokens}: "
                          "raise it or use fewer shots (a truncated prompt would lose its question)")
-    targets = [gold_first_token(loaded, g) for g in golds]
+    targets = [gold_first_token(lm, g) for g in golds]
     edits = zero_edits(off) if off is not None and len(off) else []
-    with hooks.intervene(loaded, edits, positions="all"):
-        gen = metrics.generate(loaded, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
+    with hooks.intervene(lm, edits, positions="all"):
+        gen = metrics.generate(lm, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
                                max_prompt_tokens=max_prompt_tokens, progress=progress, desc=desc,
                                score_tokens=targets)
     return pd.DataFrame({"continuation": gen.continuations,
                          "correct": [is_correct(c, g) for c, g in zip(gen.continuations, golds)],
                          "rank": gen.first_token_rank, "logprob": gen.first_token_logprob})
+
+
+# DEPRECATED alias: tests/test_relations.py calls it; remove once it calls greedy_recall.
+evaluate = greedy_recall
 
 
 @dataclass
@@ -201,14 +205,14 @@ class TestSet:
         return TestSet([p for p, m in zip(self.prompts, keep) if m], [g for g, m in zip(self.golds, keep) if m],
                        self.relation[keep])
 
-    def run(self, loaded: Loaded, off=None, **kw) -> pd.DataFrame:
-        df = evaluate(loaded, self.prompts, self.golds, off=off, **kw)
+    def run(self, lm: Loaded, off=None, **kw) -> pd.DataFrame:
+        df = greedy_recall(lm, self.prompts, self.golds, off=off, **kw)
         df.insert(0, "relation", self.relation)
         return df
 
 
 def per_relation(df: pd.DataFrame) -> pd.DataFrame:
-    """Accuracy, mean log10(1 + rank) and count per relation from :func:`evaluate` rows."""
+    """Accuracy, mean log10(1 + rank) and count per relation from :func:`greedy_recall` rows."""
     g = df.assign(log_rank=np.log10(1 + df["rank"].astype(float))).groupby("relation", sort=True)
     return pd.DataFrame({"accuracy": g["correct"].mean(), "log_rank": g["log_rank"].mean(), "n": g.size()})
 
@@ -216,12 +220,12 @@ def per_relation(df: pd.DataFrame) -> pd.DataFrame:
 # ----------------------------------------------------------------------------- neuron scores
 
 
-def pooled_activations(loaded: Loaded, prompts: Sequence[str], starts: Sequence[int] | None = None,
+def pooled_activations(lm: Loaded, prompts: Sequence[str], starts: Sequence[int] | None = None,
                        batch_size: int = 32, max_length: int = 256, progress: bool = True,
                        desc: str = "pooled activations") -> torch.Tensor:
     """[n_prompts, n_layers, d_mlp] mean activation of every neuron over each prompt's tokens
     (from token ``starts[i]`` on when given, e.g. to skip a shared few-shot prefix)."""
-    stats = hooks.mlp_activation_stats(loaded, list(prompts), positions="all" if starts is None else "from",
+    stats = hooks.mlp_activation_stats(lm, list(prompts), positions="all" if starts is None else "from",
                                        starts=starts, pooled=True, batch_size=batch_size, max_length=max_length,
                                        progress=progress, desc=desc)
     return stats.pooled
@@ -325,12 +329,12 @@ def _fingerprint(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _model_key(loaded: Loaded, model_name: str) -> dict:
-    p = next(loaded.model.parameters())
+def _model_key(lm: Loaded, model_name: str) -> dict:
+    p = next(lm.model.parameters())
     return {"model": model_name, "dtype": str(p.dtype), "device": p.device.type}
 
 
-def recall(loaded: Loaded, model_name: str, tests: TestSet, off=None, max_new_tokens: int = 4, batch_size: int = 32,
+def recall(lm: Loaded, model_name: str, tests: TestSet, off=None, max_new_tokens: int = 4, batch_size: int = 32,
            max_prompt_tokens: int = 256, use_cache: bool = True) -> pd.DataFrame:
     """:meth:`TestSet.run` through lib.cache, keyed by the model, the prompts, golds, the neurons
     switched off and the generation settings, so notebooks that ask for the same run share it."""
@@ -338,16 +342,16 @@ def recall(loaded: Loaded, model_name: str, tests: TestSet, off=None, max_new_to
 
     kw = {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "max_prompt_tokens": max_prompt_tokens}
     off_list = [] if off is None else np.asarray(off, dtype=int).reshape(-1, 2).tolist()
-    params = {**_model_key(loaded, model_name), "run": _fingerprint(tests.prompts, tests.golds, tests.relation.tolist(),
+    params = {**_model_key(lm, model_name), "run": _fingerprint(tests.prompts, tests.golds, tests.relation.tolist(),
                                                                    off_list, sorted(kw.items()))}
-    build = lambda: tests.run(loaded, off=off_list or None, **kw)  # noqa: E731
+    build = lambda: tests.run(lm, off=off_list or None, **kw)  # noqa: E731
     if not use_cache:
         return build()
     return cache.get_or_build("relation-recall", model_name, params, build, save=lambda df, p: df.to_pickle(p),
                               load=pd.read_pickle, suffix=".pkl")
 
 
-def identify(loaded: Loaded, model_name: str, relations: dict[str, Relation], pool: str = "query",
+def identify(lm: Loaded, model_name: str, relations: dict[str, Relation], pool: str = "query",
              batch_size: int = 32, max_length: int = 256, progress: bool = True) -> torch.Tensor:
     """AP scores [n_relations, n_layers, d_mlp] (relations in the dict's order) from the pooled
     activations of every relation's identification prompts, through lib.cache.
@@ -365,20 +369,20 @@ def identify(loaded: Loaded, model_name: str, relations: dict[str, Relation], po
         labels += [name] * len(ps)
         for j, f in enumerate(r.ident):
             t = r.templates[j % len(r.templates)]
-            starts.append(len(loaded.tokenizer(r.prefix(t), add_special_tokens=True)["input_ids"]) if r.demos else 0)
+            starts.append(len(lm.tokenizer(r.prefix(t), add_special_tokens=True)["input_ids"]) if r.demos else 0)
     if len(relations) < 2:
         raise ValueError("AP needs at least two relations (the others are the negatives)")
-    params = {**_model_key(loaded, model_name), "ident": _fingerprint(prompts, labels, pool, max_length)}
+    params = {**_model_key(lm, model_name), "ident": _fingerprint(prompts, labels, pool, max_length)}
 
     def build():
-        pooled = pooled_activations(loaded, prompts, starts=starts if pool == "query" else None,
+        pooled = pooled_activations(lm, prompts, starts=starts if pool == "query" else None,
                                     batch_size=batch_size, max_length=max_length, progress=progress,
                                     desc="identification prompts")  # [n_prompts, n_layers, d_mlp]
         return ap_scores(pooled, labels, list(relations))
     return cache.get_or_build("relation-ap", model_name, params, build)
 
 
-def deactivation_runs(loaded: Loaded, model_name: str, tests: TestSet, sets: dict[str, np.ndarray],
+def deactivation_runs(lm: Loaded, model_name: str, tests: TestSet, sets: dict[str, np.ndarray],
                       baseline: bool = True, progress: bool = True, **kw) -> pd.DataFrame:
     """Per-prompt recall on ``tests`` with each neuron set switched off (plus, with ``baseline``, the
     unedited model as condition 'none'): long table with columns relation, continuation, correct,
@@ -388,6 +392,6 @@ def deactivation_runs(loaded: Loaded, model_name: str, tests: TestSet, sets: dic
     out = []
     conds = ([("none", None)] if baseline else []) + list(sets.items())
     for name, off in tqdm(conds, desc="conditions", disable=not progress):
-        df = recall(loaded, model_name, tests, off=off, **kw)
+        df = recall(lm, model_name, tests, off=off, **kw)
         out.append(df.assign(condition=name, item=np.arange(len(df))))
     return pd.concat(out, ignore_index=True)

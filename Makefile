@@ -5,9 +5,12 @@ PY     := $(VENV)/bin/python
 MODEL  ?=
 DEVICE ?=
 STAMP  := $(VENV)/.installed
+# ipykernel's "Kernel is running over TCP without encryption" start-up warning, dropped for the venv's
+# kernels (papermill, lib.runner, nbval): see lib/runner.py, install_kernel_config
+KERNEL_CFG := $(VENV)/etc/ipython/ipython_kernel_config.py
 
 .DEFAULT_GOAL := help
-.PHONY: help setup reproduce test test-lib test-notebooks claims clean-results workflow-dry-run
+.PHONY: help setup reproduce test test-lib test-notebooks test-stability claims clean-results workflow-dry-run bench
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -21,15 +24,21 @@ $(STAMP): pyproject.toml
 	$(PY) -m lib.models prepare
 	touch $(STAMP)
 
-setup: $(STAMP) ## create .venv, install the pinned packages, prepare the embedded models
+$(KERNEL_CFG): $(STAMP) lib/runner.py
+	$(PY) -m lib.runner kernel-config
+
+setup: $(STAMP) $(KERNEL_CFG) ## create .venv, install the pinned packages, prepare the embedded models
 
 CORES  ?= all
 # Snakemake runs every numbered notebook x model (Snakefile, config/models.yaml); an interrupted run
 # resumes where it stopped, and only what depends on a changed notebook runs again.
 SNAKEMAKE := $(VENV)/bin/snakemake --cores $(CORES) --rerun-incomplete --printshellcmds
 
-reproduce: $(STAMP) ## run the notebooks through Snakemake (MODEL=<name>: that model's grid; NOTEBOOKS=01,02: a subset)
-	$(SNAKEMAKE) --config run=$(or $(MODEL),default) $(if $(DEVICE),device=$(DEVICE)) $(if $(NOTEBOOKS),only=$(NOTEBOOKS))
+# NOTEBOOKS is passed quoted ('"00"'), so Snakemake keeps "00" a string instead of the integer 0;
+# `lib.runner recover` first removes what a killed run left (a stale lock, hidden .partial notebooks).
+reproduce: $(STAMP) $(KERNEL_CFG) ## run the notebooks through Snakemake (MODEL=<name>: that model's grid; NOTEBOOKS=01,02: a subset)
+	$(PY) -m lib.runner recover
+	$(SNAKEMAKE) --config run=$(or $(MODEL),default) $(if $(DEVICE),device=$(DEVICE)) $(if $(NOTEBOOKS),only='"$(NOTEBOOKS)"')
 
 workflow-dry-run: $(STAMP) ## list every notebook x model job of the full grid (nothing runs)
 	$(VENV)/bin/snakemake -n --forceall --config run=all
@@ -39,9 +48,14 @@ test: test-lib test-notebooks ## pytest on lib/, then nbval on every notebook
 test-lib: $(STAMP) ## pytest on lib/ with tiny random models of every family
 	HF_HUB_OFFLINE=1 $(PY) -m pytest tests -q
 
-test-notebooks: $(STAMP) ## nbval on every notebook in notebooks/
+test-notebooks: $(STAMP) $(KERNEL_CFG) ## nbval on every notebook in notebooks/
 	cd notebooks && HF_HUB_OFFLINE=1 ../$(PY) -m pytest --nbval-lax --nbval-current-env \
 	  --nbval-sanitize-with ../tests/nbval_sanitize.cfg -p no:cacheprovider -q *.ipynb
+
+# Each notebook at COMPENDIUM_THREADS=1 and 2 (papermill, default parameters, in a copy of the tree under
+# a temporary folder); fails with a diff when a key-number cell (# NBVAL_CHECK_OUTPUT) prints differently.
+test-stability: $(STAMP) $(KERNEL_CFG) ## key-number cells must print the same at 1 and 2 threads (NOTEBOOKS=00,07; FRESH_CACHE=1: rebuild every artifact)
+	HF_HUB_OFFLINE=1 $(PY) -m lib.runner stability $(if $(NOTEBOOKS),--notebooks '$(NOTEBOOKS)') $(if $(FRESH_CACHE),--fresh-cache)
 
 claims: $(STAMP) ## rewrite results/<model>/claims.md from the recorded findings
 	$(PY) -m lib.runner claims $(if $(MODEL),--model $(MODEL))

@@ -2,8 +2,8 @@
 
     make reproduce                                  # default models on the local cores
     make reproduce MODEL=gpt2-medium                # one model's grid
-    snakemake -n --forceall --config run=all        # list the full grid without running it
-    snakemake --profile profiles/slurm              # the full grid on a SLURM cluster
+    .venv/bin/snakemake -n --forceall --config run=all   # list the full grid without running it
+    .venv/bin/snakemake --profile profiles/slurm        # the full grid on a SLURM cluster
 
 Each job runs ``python -m lib.runner run notebooks/<nb>.ipynb --model <model> --atomic``, which
 writes results/<model>/<nb>.ipynb (only when the notebook ran through: see lib/runner.py) and
@@ -115,9 +115,29 @@ def grid(selection):
     return list(dict.fromkeys(pairs))
 
 
+def only_numbers(value):
+    """The notebook numbers of `--config only=...` (make reproduce NOTEBOOKS=...) as two-digit strings.
+    Snakemake reads `only=00` as the integer 0 and `only=07` as 7, so ints are zero-padded; a list
+    (`only='[0, 7]'`) and a comma-separated string ("00,07") both work. An unknown number fails here."""
+    parts = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    numbers = []
+    for p in parts:
+        p = str(p).strip().strip("\"'")
+        if not p:
+            continue
+        if not p.isdigit() or len(p) > 2:
+            raise ValueError(f"NOTEBOOKS / only={value!r}: {p!r} is not a notebook number (use e.g. 00,07)")
+        numbers.append(p.zfill(2))
+    unknown = sorted(set(numbers) - set(BY_NUMBER))
+    if unknown:
+        raise ValueError(f"NOTEBOOKS / only={value!r}: no numbered notebook {', '.join(unknown)} in {NB_DIR} "
+                         f"(have {', '.join(sorted(BY_NUMBER))})")
+    return set(numbers)
+
+
 GRID = grid(config.get("run", "default"))
-if config.get("only"):  # e.g. only=01,02: these notebooks (what they need still runs first)
-    ONLY = {str(n).zfill(2) for n in str(config["only"]).split(",") if str(n).strip()}
+if config.get("only") not in (None, "", []):  # e.g. only=01,02: these notebooks (what they need still runs first)
+    ONLY = only_numbers(config["only"])
     GRID = [(m, stem) for m, stem in GRID if stem[:2] in ONLY]
 # Model names by their results/ folder (a Hugging Face id 'org/name' becomes 'org--name').
 NAMES = {paths.slug(m): m for m in list(DEFAULTS.values()) + list(MODELS) + [m for m, _ in GRID]}
@@ -160,7 +180,7 @@ rule all:
 rule model_weights:
     """Resolve the model's weights once, on the submitting host (it has the network a cluster's
     compute nodes often lack): the embedded models are converted, hub models downloaded to the
-    Hugging Face cache. Gated models need `huggingface-cli login` (or HF_TOKEN) first."""
+    Hugging Face cache. Gated models need `hf auth login` (or HF_TOKEN) first."""
     output:
         "results/{model}/model_dir.txt",
     params:

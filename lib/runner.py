@@ -4,6 +4,9 @@
     python -m lib.runner all --model smollm2-135m
     python -m lib.runner claims --model smollm2-135m
     python -m lib.runner merge            # results/claims.md: every model's verdicts side by side
+    python -m lib.runner recover          # after a killed run: stale Snakemake lock, leftover .partial files
+    python -m lib.runner stability --notebooks 00   # key-number cells at 1 and 2 threads (make test-stability)
+    python -m lib.runner kernel-config    # quiet the kernel's "TCP without encryption" warning (make setup)
 
 Executed copies go to results/<model>/<notebook>.ipynb, wall time and peak memory to
 results/<model>/timings/<notebook>.json, figures to figures/<model>/ (written by the notebooks).
@@ -16,12 +19,16 @@ renamed on success; a failed run leaves <notebook>.failed.ipynb instead, never a
 from __future__ import annotations
 
 import argparse
+import configparser
+import difflib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -115,6 +122,7 @@ def run(notebook: Path, model_name: str | None = None, extra: dict | None = None
     device_map = device_map or params_settings(model_name).get("device_map")
     if device_map:
         env = {**os.environ, "COMPENDIUM_DEVICE_MAP": str(device_map)}
+    install_kernel_config(quiet=True)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env)
     try:
@@ -150,6 +158,295 @@ def run(notebook: Path, model_name: str | None = None, extra: dict | None = None
     return rec
 
 
+# ----------------------------------------------------------------------------- the kernel's TCP warning
+
+# ipykernel >= 7 logs "Kernel is running over TCP without encryption ..." at start-up whenever the
+# kernel manager chose TCP, which papermill (through nbclient) and nbval always do: both create their
+# jupyter_client.KernelManager without a traitlets config, so its `transport` cannot be set to "ipc"
+# from outside. Every IPython kernel reads <sys.prefix>/etc/ipython/ipython_kernel_config.py, so this
+# file, installed into the compendium's venv, drops that one log record (nothing else) for every
+# kernel the venv starts: papermill runs, lib.runner, nbval. The kernel listens on 127.0.0.1 only.
+KERNEL_CONFIG_TEXT = """\
+# Written by `python -m lib.runner kernel-config` (make setup): the compendium's kernels run on this
+# machine only (127.0.0.1); drop ipykernel's start-up warning about unencrypted TCP, nothing else.
+import logging
+
+
+class _NoLocalTcpWarning(logging.Filter):
+    def filter(self, record):
+        return "running over TCP without encryption" not in record.getMessage()
+
+
+logging.getLogger("IPKernelApp").addFilter(_NoLocalTcpWarning())
+"""
+
+
+def kernel_config_path() -> Path:
+    return Path(sys.prefix) / "etc" / "ipython" / "ipython_kernel_config.py"
+
+
+def install_kernel_config(quiet: bool = False) -> Path | None:
+    """Write :data:`KERNEL_CONFIG_TEXT` to <sys.prefix>/etc/ipython/ipython_kernel_config.py when the
+    interpreter is a virtual environment (never a system Python) and the file is missing or ours;
+    a file someone else wrote is left alone. Returns the path when it holds our filter."""
+    target = kernel_config_path()
+    if sys.prefix == sys.base_prefix:
+        if not quiet:
+            print(f"not a virtual environment ({sys.prefix}): kernel config left alone")
+        return None
+    if target.exists():
+        text = target.read_text(encoding="utf-8")
+        if text == KERNEL_CONFIG_TEXT:
+            return target
+        if not text.startswith("# Written by `python -m lib.runner kernel-config`"):
+            if not quiet:
+                print(f"{target} exists and is not ours: left alone")
+            return None
+    try:
+        atomic_write_text(target, KERNEL_CONFIG_TEXT)
+    except OSError as e:
+        if not quiet:
+            print(f"could not write {target}: {e}")
+        return None
+    return target
+
+
+# ----------------------------------------------------------------------------- recovering a killed run
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+def _is_snakemake(argv: list[str]) -> bool:
+    for i, a in enumerate(argv[:4]):  # the interpreter, maybe -m, then the program
+        if Path(a).name == "snakemake" or a.endswith("snakemake/__main__.py"):
+            return True
+        if a == "-m" and argv[i + 1:i + 2] == ["snakemake"]:
+            return True
+    return False
+
+
+def _is_runner_job(argv: list[str]) -> bool:
+    return any(a == "lib.runner" and argv[i + 1:i + 2] == ["run"] for i, a in enumerate(argv))
+
+
+def workflow_processes(workdir: Path = paths.ROOT) -> list[tuple[int, str]]:
+    """(pid, kind) of the processes that may hold this folder's Snakemake lock or write its
+    .partial notebooks: Snakemake ('snakemake') and runner jobs ('runner') whose working directory
+    is ``workdir``. A Snakemake process whose directory cannot be read (another user's) counts too."""
+    workdir = Path(workdir).resolve()
+    me = {os.getpid(), os.getppid()}
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) in me:
+            continue
+        argv = _cmdline(int(d.name))
+        kind = "snakemake" if _is_snakemake(argv) else "runner" if _is_runner_job(argv) else None
+        if kind is None:
+            continue
+        try:
+            cwd = Path(os.readlink(d / "cwd")).resolve()
+        except OSError:
+            if kind == "snakemake":
+                found.append((int(d.name), kind))
+            continue
+        if cwd == workdir:
+            found.append((int(d.name), kind))
+    return found
+
+
+def recover(workdir: Path = paths.ROOT, results: Path | None = None) -> list[str]:
+    """Make the folder runnable again after a killed Snakemake (``kill -9``, a closed terminal, a
+    lost node): when no Snakemake process and no runner job works in ``workdir``, remove the lock
+    Snakemake left in <workdir>/.snakemake/locks (what `.venv/bin/snakemake --unlock` does with
+    Snakemake's default file backend) and the hidden ``.<notebook>.partial.ipynb`` files that
+    ``run(..., atomic=True)`` writes under ``results`` (default: <workdir>/results). With a live
+    process nothing is touched. Returns one line per action (or why nothing was done)."""
+    workdir = Path(workdir).resolve()
+    results = Path(results) if results is not None else workdir / "results"
+    locks = workdir / ".snakemake" / "locks"
+    lock_files = sorted(locks.glob("*.lock")) if locks.is_dir() else []
+    partial = sorted(results.rglob(".*.partial.ipynb")) if results.is_dir() else []
+    if not lock_files and not partial:
+        return []
+    live = workflow_processes(workdir)
+    if live:
+        who = ", ".join(f"{kind} pid {pid}" for pid, kind in live)
+        return [f"a workflow process runs in {workdir} ({who}): its lock and partial notebooks are left alone"]
+    out = []
+    if lock_files:
+        shutil.rmtree(locks, ignore_errors=True)
+        out.append(f"removed the stale Snakemake lock in {locks} (no Snakemake process runs in {workdir}; "
+                   "the same as `.venv/bin/snakemake --unlock`)")
+    for f in partial:
+        f.unlink(missing_ok=True)
+        out.append(f"removed the leftover partial notebook {f} (from an interrupted run)")
+    return out
+
+
+# ----------------------------------------------------------------------------- stability across thread counts
+
+KEY_MARK = "# NBVAL_CHECK_OUTPUT"
+SANITIZE_CFG = paths.ROOT / "tests" / "nbval_sanitize.cfg"
+# What the notebooks read; stability runs use a copy, so their figures and records stay out of the tree.
+SANDBOX_PARTS = ("lib", "notebooks", "data", "params", "pyproject.toml")
+
+
+def _source(cell) -> str:
+    src = cell.get("source", "")
+    return src if isinstance(src, str) else "".join(src)
+
+
+def sanitizers(cfg: Path = SANITIZE_CFG) -> list[tuple[re.Pattern, str]]:
+    """The (regex, replacement) pairs of nbval's sanitize file (times, addresses, progress bars)."""
+    parser = configparser.ConfigParser(interpolation=None)
+    parser.read(cfg, encoding="utf-8")
+    return [(re.compile(parser[s]["regex"]), parser[s]["replace"]) for s in parser.sections()]
+
+
+def key_cell_outputs(notebook, sanitize: list[tuple[re.Pattern, str]] | None = None) -> list[str]:
+    """What each key-number cell of an executed notebook printed: the code cells containing
+    ``# NBVAL_CHECK_OUTPUT`` or tagged ``nbval-check-output``, in order; stream text, the plain-text
+    form of results and displays, and errors, passed through nbval's sanitizers."""
+    doc = notebook if isinstance(notebook, dict) else json.loads(Path(notebook).read_text(encoding="utf-8"))
+    subs = sanitizers() if sanitize is None else sanitize
+    out = []
+    for cell in doc.get("cells", []):
+        if cell.get("cell_type") != "code":
+            continue
+        if KEY_MARK not in _source(cell) and "nbval-check-output" not in cell.get("metadata", {}).get("tags", []):
+            continue
+        parts = []
+        for o in cell.get("outputs", []):
+            kind = o.get("output_type")
+            if kind == "stream":
+                t = o.get("text", "")
+            elif kind in ("execute_result", "display_data"):
+                t = o.get("data", {}).get("text/plain", "")
+            elif kind == "error":
+                t = f"{o.get('ename')}: {o.get('evalue')}\n"
+            else:
+                continue
+            parts.append(t if isinstance(t, str) else "".join(t))
+        text = "".join(parts)
+        for rx, rep in subs:
+            text = rx.sub(rep, text)
+        out.append(text)
+    return out
+
+
+def compare_key_cells(a, b, label_a: str = "a", label_b: str = "b") -> str:
+    """'' when the key-number cells of two executed notebooks (paths or parsed JSON) print the same
+    after sanitizing, else a unified diff of what they print."""
+    ka, kb = key_cell_outputs(a), key_cell_outputs(b)
+    if ka == kb:
+        return ""
+    head = f"{len(ka)} key-number cell(s) in {label_a}, {len(kb)} in {label_b}\n" if len(ka) != len(kb) else ""
+    lines = []
+    for i in range(max(len(ka), len(kb))):
+        ta = ka[i] if i < len(ka) else ""
+        tb = kb[i] if i < len(kb) else ""
+        if ta != tb:
+            lines += difflib.unified_diff(ta.splitlines(keepends=True), tb.splitlines(keepends=True),
+                                          f"{label_a} (key cell {i + 1})", f"{label_b} (key cell {i + 1})")
+    return head + "".join(line if line.endswith("\n") else line + "\n" for line in lines)
+
+
+def select_notebooks(numbers: str | None) -> list[Path]:
+    """The numbered notebooks, or those whose two-digit numbers are listed ('00,07'; '0' means '00')."""
+    nbs = numbered_notebooks()
+    if not numbers:
+        return nbs
+    want = [n.strip().zfill(2) for n in str(numbers).split(",") if n.strip()]
+    by_number = {p.name[:2]: p for p in nbs}
+    unknown = [n for n in want if n not in by_number]
+    if unknown:
+        raise SystemExit(f"no numbered notebook {', '.join(unknown)} (have {', '.join(sorted(by_number))})")
+    return [by_number[n] for n in dict.fromkeys(want)]
+
+
+def _sandbox(dest: Path) -> Path:
+    """A copy of what the notebooks read (lib, notebooks, data, params) under ``dest``."""
+    for part in SANDBOX_PARTS:
+        src = paths.ROOT / part
+        if src.is_dir():
+            shutil.copytree(src, dest / part, ignore=shutil.ignore_patterns("__pycache__", ".ipynb_checkpoints"))
+        elif src.exists():
+            dest.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / part)
+    return dest
+
+
+def stability(notebooks: list[Path], threads: tuple[int, ...] = (1, 2), fresh_cache: bool = False,
+              out_dir: Path | None = None, timeout: int | None = None) -> dict[str, str]:
+    """Run each notebook with papermill at every COMPENDIUM_THREADS in ``threads`` (default
+    parameters, as nbval runs them) and compare what its key-number cells print. Returns
+    {notebook stem: problem}: '' when every run prints the same, else the diff or the failure.
+
+    The runs use a copy of lib/, notebooks/, data/ and params/ (<out_dir>/tree; ``out_dir`` is a new
+    temporary folder by default), so figures and records stay out of the working tree; the executed
+    notebooks are <out_dir>/threads-<n>/<notebook>.ipynb. The cache (COMPENDIUM_CACHE) is shared by
+    default, so an artifact an earlier run built is reused and what the notebook computes itself is
+    checked; ``fresh_cache`` gives each thread count an empty cache folder (<out_dir>/cache-<n>, with
+    the converted embedded models linked in), so every artifact is rebuilt at that thread count."""
+    out_dir = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="compendium-stability-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    box = out_dir / "tree"
+    if not box.exists():
+        _sandbox(box)
+    install_kernel_config(quiet=True)
+    print(f"stability runs in {out_dir}", flush=True)
+    report = {}
+    for nb in notebooks:
+        runs: dict[int, Path | str] = {}
+        for n in threads:
+            env = {**os.environ, "COMPENDIUM_THREADS": str(n), "PYTHONPATH": os.pathsep.join(
+                [str(box)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+            env.setdefault("HF_HUB_OFFLINE", "1")
+            env["COMPENDIUM_CACHE"] = str(paths.CACHE)
+            if fresh_cache:
+                cache_dir = out_dir / f"cache-{n}"
+                cache_dir.mkdir(exist_ok=True)
+                if (paths.CACHE / "models").is_dir() and not (cache_dir / "models").exists():
+                    (cache_dir / "models").symlink_to(paths.CACHE / "models", target_is_directory=True)
+                env["COMPENDIUM_CACHE"] = str(cache_dir)
+            target = out_dir / f"threads-{n}" / nb.name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            src = box / "notebooks" / nb.name
+            if not src.exists():  # a notebook from outside notebooks/ (tests): run it beside the others
+                shutil.copy2(nb, src)
+            cmd = [sys.executable, "-m", "papermill", str(src), str(target),
+                   "--cwd", str(box / "notebooks"), "--log-level", "WARNING", "--no-progress-bar"]
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                runs[n] = f"timed out after {timeout} s"
+                continue
+            if proc.returncode != 0:
+                tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
+                runs[n] = f"failed (exit {proc.returncode}); see {target}\n" + "\n".join(tail)
+            else:
+                runs[n] = target
+            print(f"{nb.stem}: COMPENDIUM_THREADS={n} ran in {time.perf_counter() - t0:.0f} s", flush=True)
+        failed = {n: r for n, r in runs.items() if not isinstance(r, Path)}
+        if failed:
+            report[nb.stem] = "".join(f"COMPENDIUM_THREADS={n}: {r}\n" for n, r in failed.items())
+            continue
+        first = threads[0]
+        problems = [] if key_cell_outputs(runs[first]) else [f"no key-number cell ({KEY_MARK}) in {nb.name}\n"]
+        for n in threads[1:]:
+            problems.append(compare_key_cells(runs[first], runs[n], f"COMPENDIUM_THREADS={first}",
+                                              f"COMPENDIUM_THREADS={n}"))
+        report[nb.stem] = "".join(problems)
+    return report
+
+
 def claims(model_name: str) -> Path:
     from lib.results import write_claims
 
@@ -172,8 +469,39 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--model", default="smollm2-135m")
     m = sub.add_parser("merge", help="write results/claims.md: findings x models")
     m.add_argument("--models", nargs="*", default=None, help="columns, in order (default: every model with records)")
+    rc = sub.add_parser("recover", help="remove a killed run's stale Snakemake lock and .partial notebooks")
+    rc.add_argument("--workdir", default=str(paths.ROOT), help="the workflow's folder (default: the repository)")
+    st = sub.add_parser("stability", help="key-number cells must print the same at 1 and 2 threads")
+    st.add_argument("--notebooks", default=None, help="two-digit numbers, e.g. 00,07 (default: every numbered one)")
+    st.add_argument("--threads", default="1,2", help="COMPENDIUM_THREADS values to compare (default 1,2)")
+    st.add_argument("--fresh-cache", action="store_true",
+                    help="an empty cache folder per thread count (every artifact rebuilt; slow)")
+    st.add_argument("--out", default=None, help="folder for the runs (default: a new temporary folder)")
+    st.add_argument("--timeout", type=int, default=None, help="seconds per notebook run")
+    sub.add_parser("kernel-config", help="install the kernel config that quiets the TCP warning into the venv")
     args = ap.parse_args(argv)
-    if args.cmd == "run":
+    if args.cmd == "recover":
+        for line in recover(Path(args.workdir)):
+            print(line)
+    elif args.cmd == "kernel-config":
+        path = install_kernel_config()
+        if path:
+            os.utime(path)  # newer than lib/runner.py: make's target is up to date
+            print(path)
+    elif args.cmd == "stability":
+        threads = tuple(int(t) for t in args.threads.split(",") if t.strip())
+        if len(threads) < 2 or min(threads) < 1:
+            raise SystemExit(f"--threads needs at least two positive counts, got {args.threads!r}")
+        out = Path(args.out) if args.out else None
+        report = stability(select_notebooks(args.notebooks), threads, args.fresh_cache, out, args.timeout)
+        bad = {k: v for k, v in report.items() if v}
+        for k, v in report.items():
+            print(f"{k}: {'same key numbers at COMPENDIUM_THREADS=' + ' and '.join(map(str, threads)) if not v else 'DIFFERS'}")
+        for k, v in bad.items():
+            print(f"\n--- {k}\n{v}", end="" if v.endswith("\n") else "\n")
+        if bad:
+            raise SystemExit(f"{len(bad)} of {len(report)} notebook(s) print different key numbers or failed")
+    elif args.cmd == "run":
         print(json.dumps(run(Path(args.notebook), args.model, device=args.device, atomic=args.atomic,
                              device_map=args.device_map)))
     elif args.cmd == "merge":

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -48,14 +50,18 @@ def fake_notebook(path: Path, model_name: str, body: str = "print(model_name)") 
     return path
 
 
-def dry_run(tmp_path: Path, notebooks_dir: Path, run: str) -> list[dict]:
+def dry_run(tmp_path: Path, notebooks_dir: Path, run: str | None, extra: list[str] = (),
+            command: list[str] | None = None) -> list[dict]:
     """`snakemake -n --forceall` in a scratch working directory; the jobs it lists, each as
-    {rule, input: [...], output: [...]}."""
+    {rule, input: [...], output: [...]}. ``extra``: more `--config` entries; ``command``: the
+    Snakemake command line to run instead of the plain one (e.g. the one `make reproduce` runs)."""
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
+    cmd = command or [SNAKEMAKE, "--cores", "1", "--config"] + ([f"run={run}"] if run else [])
+    assert "--config" in cmd  # its entries come last, so the scratch folders below join them
     proc = subprocess.run(
-        [SNAKEMAKE, "-s", str(ROOT / "Snakefile"), "-n", "--forceall", "--nocolor", "--cores", "1",
-         "--config", f"run={run}", f"notebooks_dir={notebooks_dir}", f"workdir={work}"],
+        [*cmd[:1], "-s", str(ROOT / "Snakefile"), "-n", "--forceall", "--nocolor", *cmd[1:], *extra,
+         f"notebooks_dir={notebooks_dir}", f"workdir={work}"],
         cwd=work, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     jobs = []
@@ -192,17 +198,29 @@ def tmp_results(tmp_path, monkeypatch):
     return tmp_path
 
 
+def _verdict(finding: str, value: float):
+    from lib import stats, verdict
+
+    c = verdict.Criterion(finding=finding, paper="0.5", effect="drop", threshold=0.1, control="random-k")
+    return verdict.decide(c, stats.Estimate(value, value - 0.05, value + 0.05, 20),
+                          controls=stats.against_controls(value, [0.0, 0.01, 0.02]))
+
+
 def test_merge_claims_puts_models_side_by_side(tmp_results):
-    results.record("m-a", "01_x", "probe finds toxicity", "0.9", "0.81", "holds")
-    results.record("m-a", "02_y", "DPO lowers toxicity", "-50%", "-10%", "partly holds")
-    results.record("org/m-b", "01_x", "probe finds toxicity", "0.9", "0.55", "does not hold")
-    text = results.merge_claims(["org/m-b", "m-a"]).read_text()
-    lines = text.splitlines()
-    assert "| notebook | finding | paper | org/m-b | m-a |" in lines
-    assert "| 01_x | probe finds toxicity | 0.9 | **does not hold**: 0.55 | **holds**: 0.81 |" in lines
-    assert "| 02_y | DPO lowers toxicity | -50% |  | **partly holds**: -10% |" in lines  # m-b did not run 02
+    """The rule merge_claims: the models' published ledgers side by side, in the Snakefile's order."""
+    results.record("m-a", "01_x", _verdict("probe finds toxicity", 0.4), "0.4")
+    results.record("m-a", "02_y", _verdict("DPO lowers toxicity", 0.3), "0.3")
+    results.record("org/m-b", "01_x", _verdict("probe finds toxicity", 0.02), "0.02")
+    for m in ("m-a", "org/m-b"):
+        results.write_claims(m)
+    lines = results.merge_claims(["org--m-b", "m-a"]).read_text().splitlines()  # folder names, as the Snakefile passes
+    assert "| notebook | finding | paper | org--m-b | m-a |" in lines
+    (row01,) = [ln for ln in lines if ln.startswith("| 01_x | probe finds toxicity | 0.5 |")]
+    assert row01.count("**") == 4  # a verdict in both columns
+    (row02,) = [ln for ln in lines if ln.startswith("| 02_y |")]
+    assert "| 0.5 |  | **" in row02  # m-b did not run 02
     assert (tmp_results / "results" / "claims.md").exists()
-    # default: every model folder with records, in name order
+    # default: every model folder with a published ledger, in name order
     assert results.models_with_records() == ["m-a", "org--m-b"]
     assert "| notebook | finding | paper | m-a | org--m-b |" in results.merge_claims().read_text()
 
@@ -228,3 +246,172 @@ def test_atomic_run_leaves_no_output_when_a_notebook_fails(tmp_results):
     assert any("boom" in json.dumps(c.get("outputs", [])) for c in failed.cells)
     assert not list(out.glob(".*partial*"))
     assert json.loads((out / "timings" / "02_bad.json").read_text())["exit_code"] != 0
+
+
+# ----------------------------------------------------------------------------- NOTEBOOKS=... (issue 14, point 2)
+
+
+def make_reproduce_command(**variables) -> list[str]:
+    """The Snakemake command line `make reproduce VAR=...` runs (from `make -n`, which runs nothing)."""
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make is not installed")
+    proc = subprocess.run([make, "-n", "reproduce", *[f"{k}={v}" for k, v in variables.items()]], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if "snakemake" in ln and "--config" in ln]
+    assert len(lines) == 1, proc.stdout
+    recover = [i for i, ln in enumerate(proc.stdout.splitlines()) if "lib.runner recover" in ln]
+    assert recover and recover[0] < proc.stdout.splitlines().index(lines[0])  # recovery runs first
+    cmd = shlex.split(lines[0])
+    cmd[0] = str(ROOT / cmd[0]) if not Path(cmd[0]).is_absolute() else cmd[0]
+    return [a if a != "all" or cmd[i - 1] != "--cores" else "1" for i, a in enumerate(cmd)]
+
+
+@pytest.mark.parametrize("value, want", [("00", {"00"}), ("07,11", {"07", "11"}), ("00,07", {"00", "07"})])
+def test_make_reproduce_notebooks_selects_exactly_those(tmp_path, value, want):
+    """`make reproduce NOTEBOOKS=00` ran all fifteen notebooks: Snakemake read 00 as the integer 0 and
+    the filter was skipped. The Makefile now quotes the value and the Snakefile zero-pads integers."""
+    nbdir = tmp_path / "notebooks"
+    for stem, model in PLANNED.items():
+        fake_notebook(nbdir / f"{stem}.ipynb", model)
+    jobs = dry_run(tmp_path, nbdir, None, command=make_reproduce_command(NOTEBOOKS=value))
+    assert {stem[:2] for _, stem in notebook_jobs(jobs)} == want
+    assert len(notebook_jobs(jobs)) == len(want)  # each on its own default model only
+
+
+@pytest.mark.parametrize("entry, want", [("only=00", {"00"}), ("only=7", {"07"}), ("only=07,11", {"07", "11"}),
+                                         ("only=[0, 11]", {"00", "11"})])
+def test_only_filter_on_the_plain_snakemake_command(tmp_path, entry, want):
+    """`snakemake --config only=00` (no Makefile quoting) parses 00 as int 0: still notebook 00."""
+    nbdir = tmp_path / "notebooks"
+    for stem, model in PLANNED.items():
+        fake_notebook(nbdir / f"{stem}.ipynb", model)
+    jobs = dry_run(tmp_path, nbdir, "default", extra=[entry])
+    assert {stem[:2] for _, stem in notebook_jobs(jobs)} == want
+
+
+def test_only_filter_rejects_unknown_numbers(tmp_path):
+    nbdir = tmp_path / "notebooks"
+    fake_notebook(nbdir / "00_tour.ipynb", "smollm2-135m")
+    proc = subprocess.run([SNAKEMAKE, "-s", str(ROOT / "Snakefile"), "-n", "--cores", "1", "--config", "only=15",
+                           f"notebooks_dir={nbdir}", f"workdir={tmp_path}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "no numbered notebook 15" in proc.stdout + proc.stderr
+
+
+# ----------------------------------------------------------------------------- a killed run (issue 14, point 7)
+
+
+def _plant_stale_run(work: Path, target: str) -> Path:
+    """What `kill -9` of Snakemake during a notebook job leaves: its lock files and the runner's partial."""
+    locks = work / ".snakemake" / "locks"
+    locks.mkdir(parents=True)
+    (locks / "0.input.lock").write_text("notebooks/00_tour.ipynb\n")
+    (locks / "0.output.lock").write_text(f"{target}\n")
+    partial = work / "results" / "smollm2-135m" / ".00_tour.partial.ipynb"
+    partial.parent.mkdir(parents=True)
+    partial.write_text("{}")
+    return partial
+
+
+def test_recover_removes_a_stale_lock_and_partial_so_the_run_proceeds(tmp_path):
+    nbdir = tmp_path / "notebooks"
+    fake_notebook(nbdir / "00_tour.ipynb", "smollm2-135m")
+    work = tmp_path / "work"
+    target = "results/smollm2-135m/model_dir.txt"
+    partial = _plant_stale_run(work, target)
+    cmd = [SNAKEMAKE, "-s", str(ROOT / "Snakefile"), "--cores", "1", "--nocolor", target, "--config",
+           f"notebooks_dir={nbdir}", f"workdir={work}"]
+    before = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=180)
+    assert before.returncode != 0 and "cannot be locked" in before.stdout + before.stderr  # the reported failure
+    assert not (work / target).exists()
+    done = runner.recover(work)
+    assert any("stale Snakemake lock" in line and ".venv/bin/snakemake --unlock" in line for line in done), done
+    assert any(".00_tour.partial.ipynb" in line for line in done), done
+    assert not (work / ".snakemake" / "locks").exists() and not partial.exists()
+    after = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=180)
+    assert after.returncode == 0, after.stdout[-3000:] + after.stderr[-3000:]
+    assert (work / target).read_text().strip()  # the job ran: where the model's weights are
+    assert runner.recover(work) == []  # nothing left to recover
+
+
+def test_recover_leaves_a_live_runs_lock_alone(tmp_path):
+    """A Snakemake process working in the folder holds its lock: nothing is removed."""
+    work = tmp_path / "work"
+    partial = _plant_stale_run(work, "results/smollm2-135m/model_dir.txt")
+    fake = tmp_path / "bin" / "snakemake"  # a process whose program is called snakemake, in that folder
+    fake.parent.mkdir()
+    fake.symlink_to(sys.executable)
+    proc = subprocess.Popen([str(fake), "-c", "import time; time.sleep(60)"], cwd=work)
+    try:
+        for _ in range(50):  # until /proc shows its command line
+            if any(pid == proc.pid for pid, _ in runner.workflow_processes(work)):
+                break
+            time.sleep(0.1)
+        assert (proc.pid, "snakemake") in runner.workflow_processes(work)
+        (line,) = runner.recover(work)
+        assert "left alone" in line and str(proc.pid) in line
+        assert (work / ".snakemake" / "locks" / "0.output.lock").exists() and partial.exists()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert runner.workflow_processes(work) == []
+    assert len(runner.recover(work)) == 2
+
+
+def test_docs_name_the_venv_snakemake_for_unlock():
+    """Messages name a command that exists: `.venv/bin/snakemake --unlock` or `make reproduce`."""
+    text = (ROOT / "docs" / "workflow.md").read_text()
+    assert "make reproduce` recovers" in text or "recovers by itself" in text
+    for m in re.finditer(r"`([^`]*--unlock[^`]*)`", text):
+        assert m.group(1).startswith(".venv/bin/snakemake"), m.group(1)
+
+
+# ----------------------------------------------------------------------------- make test-stability (issue 14, point 0)
+
+
+def executed(path: Path, key_output: str, other: str = "anything\n", tagged: bool = False) -> Path:
+    """A small executed notebook: a parameters cell, an ordinary cell and a key-number cell."""
+    nb = nbformat.v4.new_notebook()
+    key = nbformat.v4.new_code_cell("print(x)" if tagged else "# NBVAL_CHECK_OUTPUT\nprint(x)",
+                                    metadata={"tags": ["nbval-check-output"]} if tagged else {})
+    key.outputs = [nbformat.v4.new_output("stream", name="stdout", text=key_output)]
+    plain = nbformat.v4.new_code_cell("print(y)")
+    plain.outputs = [nbformat.v4.new_output("stream", name="stdout", text=other)]
+    nb.cells = [nbformat.v4.new_code_cell("x = 1", metadata={"tags": ["parameters"]}), plain, key]
+    nbformat.write(nb, path)
+    return path
+
+
+def test_compare_key_cells(tmp_path):
+    a = executed(tmp_path / "a.ipynb", "toxicity 0.09 | perplexity 7,592 | ran in 3.2 s\n")
+    same = executed(tmp_path / "b.ipynb", "toxicity 0.09 | perplexity 7,592 | ran in 41.0 s\n", other="else\n")
+    moved = executed(tmp_path / "c.ipynb", "toxicity 0.08 | perplexity 7,887 | ran in 3.2 s\n")
+    tagged = executed(tmp_path / "d.ipynb", "toxicity 0.09 | perplexity 7,592 | ran in 3.2 s\n", tagged=True)
+    assert runner.key_cell_outputs(a) == ["toxicity 0.09 | perplexity 7,592 | ran in TIME\n"]  # nbval's sanitizers
+    assert runner.compare_key_cells(a, same) == ""  # times and ordinary cells do not count
+    assert runner.compare_key_cells(a, tagged) == ""  # the tag marks a key cell as well
+    diff = runner.compare_key_cells(a, moved, "1 thread", "2 threads")
+    assert "-toxicity 0.09 | perplexity 7,592" in diff and "+toxicity 0.08 | perplexity 7,887" in diff
+    assert "1 thread (key cell 1)" in diff and "2 threads (key cell 1)" in diff
+    none = nbformat.v4.new_notebook()
+    assert "1 key-number cell(s) in a, 0 in b" in runner.compare_key_cells(a, none, "a", "b")
+
+
+def test_stability_runs_each_thread_count_outside_the_tree(tmp_path):
+    """Two papermill runs at COMPENDIUM_THREADS=1 and 2, in a copy of the tree: a key cell that prints
+    the thread count differs (and is reported), the copy's lib is the one imported."""
+    nb = fake_notebook(tmp_path / "99_threads.ipynb", "smollm2-135m",
+                       "# NBVAL_CHECK_OUTPUT\nimport os, lib\nprint('threads', os.environ['COMPENDIUM_THREADS'])")
+    out = tmp_path / "runs"
+    report = runner.stability([nb], (1, 2), out_dir=out, timeout=300)
+    assert set(report) == {"99_threads"}
+    assert "-threads 1" in report["99_threads"] and "+threads 2" in report["99_threads"]
+    for n in (1, 2):
+        assert runner.key_cell_outputs(out / f"threads-{n}" / nb.name) == [f"threads {n}\n"]
+    # the run imported the copy's lib, so its figures and records went to the copy
+    probe = fake_notebook(tmp_path / "98_where.ipynb", "smollm2-135m",
+                          "# NBVAL_CHECK_OUTPUT\nfrom lib import paths\nprint(paths.ROOT)")
+    assert runner.stability([probe], (1, 2), out_dir=out, timeout=300) == {"98_where": ""}
+    assert runner.key_cell_outputs(out / "threads-1" / probe.name) == [f"{(out / 'tree').resolve()}\n"]

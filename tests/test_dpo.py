@@ -46,12 +46,12 @@ def test_probe_separates_planted_classes_and_matches_direct_fit(family):
     assert probe.val_accuracy >= 0.9 and probe.jigsaw_accuracy >= 0.9
     assert probe.n_train == 72
     # the slow, obvious way: features in input order, one batch, same split and classifier
-    X = hooks.residual_means(lm, texts, -1, batch_size=len(texts), max_length=64, progress=False).numpy()
+    X = hooks.residual_means(lm, texts, "final", batch_size=len(texts), max_length=64, progress=False).numpy()
     torch.testing.assert_close(dpo.features(lm, texts, progress=False), torch.tensor(X), atol=1e-4, rtol=1e-4)
     Xtr, _, ytr, _ = train_test_split(X, np.array(labels), test_size=0.1, random_state=0, stratify=labels)
     # the steering direction: class-mean difference of the training split after block steer_layer
     assert probe.steer_layer == 1
-    S = hooks.residual_means(lm, texts, probe.steer_layer + 1, batch_size=len(texts), max_length=64, progress=False)
+    S = hooks.residual_means(lm, texts, probe.steer_layer, batch_size=len(texts), max_length=64, progress=False)
     itr, _ = train_test_split(np.arange(len(texts)), test_size=0.1, random_state=0, stratify=labels)
     y = torch.tensor(labels)[itr]
     ref_steer = S[itr][y == 1].mean(0) - S[itr][y == 0].mean(0)
@@ -141,15 +141,15 @@ def test_dpo_two_steps_change_weights_and_cache_hit_reloads_them(llama, monkeypa
 
 
 def test_evaluate_in_range_and_unchanged_under_identity_patch(llama):
-    res = dpo.evaluate(llama, n_prompts=4, n_wiki=3, max_new_tokens=4, progress=False)
+    res = dpo.toxicity_perplexity_f1(llama, n_prompts=4, n_wiki=3, max_new_tokens=4, progress=False)
     assert 0 <= res["toxicity"] <= 1 and 0 <= res["f1"] <= 1
     assert np.isfinite(res["perplexity"]) and res["perplexity"] > 1
     assert res["n_prompts"] == 4 and res["n_wiki"] == 3 and res["scorer"] in metrics.SCORERS
     with hooks.intervene(llama, [(0, 1, "scale", 1.0), (1, 2, "add", 0.0)]):
-        same = dpo.evaluate(llama, n_prompts=4, n_wiki=3, max_new_tokens=4, progress=False)
+        same = dpo.toxicity_perplexity_f1(llama, n_prompts=4, n_wiki=3, max_new_tokens=4, progress=False)
     assert same == res
     with hooks.intervene(llama, [(L, i, "set", 5.0) for L in range(2) for i in range(64)]):
-        other = dpo.evaluate(llama, n_prompts=4, n_wiki=3, max_new_tokens=4, progress=False)
+        other = dpo.toxicity_perplexity_f1(llama, n_prompts=4, n_wiki=3, max_new_tokens=4, progress=False)
     assert other["perplexity"] != res["perplexity"]
 
 

@@ -152,7 +152,7 @@ def test_evaluate_reports_greedy_recall_and_rank():
     lm = models.tiny_random("llama")
     gen = metrics.generate(lm, ["the cat", "a dog sat"], max_new_tokens=3, progress=False)
     golds = [gen.continuations[0], "zzzz nothing"]
-    df = relations.evaluate(lm, ["the cat", "a dog sat"], golds, max_new_tokens=3)
+    df = relations.greedy_recall(lm, ["the cat", "a dog sat"], golds, max_new_tokens=3)
     assert df["correct"].tolist() == [relations.is_correct(gen.continuations[0], golds[0]), False]
     first = gen.new_ids[0][0]
     assert df.loc[0, "rank"] == (0 if relations.gold_first_token(lm, golds[0]) == first else df.loc[0, "rank"])
@@ -163,6 +163,6 @@ def test_evaluate_reports_greedy_recall_and_rank():
     t = relations.gold_first_token(lm, golds[1])
     assert df.loc[1, "rank"] == int((logits > logits[t]).sum())
     assert df["logprob"].le(0).all()
-    off = relations.evaluate(lm, ["the cat", "a dog sat"], golds, off=[[0, i] for i in range(lm.info.d_mlp)],
+    off = relations.greedy_recall(lm, ["the cat", "a dog sat"], golds, off=[[0, i] for i in range(lm.info.d_mlp)],
                              max_new_tokens=3)
     assert len(off) == 2

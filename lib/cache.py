@@ -2,6 +2,10 @@
 
 Keyed by kind, model and the parameters that produced them; every write goes to a temporary
 name first and is renamed into place, so an interrupted run leaves nothing half-written.
+
+An artifact derived from data (prompt texts, facts, preference pairs, labelled rows) carries
+:func:`content_hash` of that data in its parameters, so changing one prompt builds it again instead
+of reusing a result computed from the old prompts.
 """
 from __future__ import annotations
 
@@ -14,6 +18,66 @@ from pathlib import Path
 from typing import Any, Callable
 
 from lib import paths
+
+
+def _canonical(obj: Any) -> Any:
+    """A JSON-able form of ``obj`` that is the same for equal contents: dicts by sorted key, tuples as
+    lists, sets sorted, numpy/torch arrays by dtype, shape and a sha256 of their bytes, pandas frames
+    by columns, index and values."""
+    import numpy as np
+
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, (int, float)):
+        return obj
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return {"__dict__": sorted(([str(k), _canonical(v)] for k, v in obj.items()), key=lambda kv: kv[0])}
+    if isinstance(obj, (list, tuple)):
+        return [_canonical(v) for v in obj]
+    if isinstance(obj, (set, frozenset)):
+        return {"__set__": sorted(json.dumps(_canonical(v), sort_keys=True) for v in obj)}
+    if isinstance(obj, Path):
+        return {"__path__": str(obj)}
+    try:
+        import torch
+
+        if isinstance(obj, torch.Tensor):
+            obj = obj.detach().cpu()
+            if obj.dtype == torch.bfloat16:  # numpy has no bfloat16: hash the raw 16-bit words
+                obj = obj.view(torch.int16)
+            obj = obj.contiguous().numpy()
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(obj, np.ndarray):
+        arr = np.ascontiguousarray(obj)
+        if arr.dtype == object:
+            return {"__objects__": _canonical(arr.tolist()), "shape": list(arr.shape)}
+        return {"__array__": str(arr.dtype), "shape": list(arr.shape),
+                "sha256": hashlib.sha256(arr.tobytes()).hexdigest()}
+    try:
+        import pandas as pd
+
+        if isinstance(obj, pd.DataFrame):
+            return {"__frame__": [str(c) for c in obj.columns], "index": _canonical(obj.index.tolist()),
+                    "values": _canonical(obj.astype(object).where(obj.notna(), None).values.tolist())}
+        if isinstance(obj, pd.Series):
+            return {"__series__": str(obj.name), "index": _canonical(obj.index.tolist()),
+                    "values": _canonical(obj.astype(object).where(obj.notna(), None).tolist())}
+    except ImportError:  # pragma: no cover
+        pass
+    raise TypeError(f"content_hash cannot hash a {type(obj).__name__}: pass texts, numbers, lists, dicts, "
+                    "arrays, tensors or pandas frames")
+
+
+def content_hash(obj: Any) -> str:
+    """sha256 (hex) of a canonical JSON of ``obj``: texts, facts, pairs, labels, nested lists and
+    dicts, numpy arrays, torch tensors (their bytes) and pandas frames. Equal contents give the same
+    hash in any process or machine; one changed character or label gives another. Put it into the
+    ``params`` of :func:`get_or_build` for every artifact derived from data."""
+    blob = json.dumps(_canonical(obj), sort_keys=True, ensure_ascii=False, allow_nan=True)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
 def key(params: dict) -> str:

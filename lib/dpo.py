@@ -149,14 +149,17 @@ def train_probe(lm: Loaded, n_per_class: int = DEFAULTS["n_probe_per_class"], se
     if not isinstance(n_per_class, int) or n_per_class < 10:
         raise ValueError(f"n_per_class must be an integer >= 10, got {n_per_class!r}")
 
+    texts, labels = _probe_data(n_per_class, seed)
+    jig = data.jigsaw_sample()
+    jig_texts, jig_labels = jig.comment_text.tolist(), jig.toxic.tolist()
+
     def build():
-        texts, labels = _probe_data(n_per_class, seed)
-        jig = data.jigsaw_sample()
-        return fit_probe(lm, texts, labels, 0.1, jig.comment_text.tolist(), jig.toxic.tolist(), seed,
-                         max_length, batch_size, progress, steer_depth)
+        return fit_probe(lm, texts, labels, 0.1, jig_texts, jig_labels, seed, max_length, batch_size, progress,
+                         steer_depth)
 
     params = {"n_per_class": n_per_class, "seed": seed, "max_length": max_length, "layer": PROBE_FEATURE_LAYER,
-              "steer_depth": round(float(steer_depth), 6), "version": 3}
+              "steer_depth": round(float(steer_depth), 6), "version": 3,
+              "data": cache.content_hash([texts, labels, jig_texts, jig_labels])}  # edited tweets: a new probe
     return cache.get_or_build("probe", lm.name, params, build)
 
 
@@ -195,13 +198,13 @@ def preference_pairs(lm: Loaded, probe: Probe, n_pairs: int = DEFAULTS["n_pairs"
     if not isinstance(n_pairs, int) or n_pairs <= 0:
         raise ValueError(f"n_pairs must be a positive integer, got {n_pairs!r}")
     vec = steering_vector(probe, steer_scale)
+    pool = [r["prompt"].strip() for r in data.wiki_samples(4 * n_pairs, offset=offset)]
 
     def build():
         from tqdm.auto import tqdm
 
         repro.setup(seed)
         rows, tried, name = [], 0, None
-        pool = [r["prompt"].strip() for r in data.wiki_samples(4 * n_pairs, offset=offset)]
         bar = tqdm(total=n_pairs, desc="preference pairs", disable=not progress)
         while len(rows) < n_pairs and tried < len(pool):
             prompts = pool[tried:tried + chunk]
@@ -223,7 +226,7 @@ def preference_pairs(lm: Loaded, probe: Probe, n_pairs: int = DEFAULTS["n_pairs"
 
     params = {"steer": _tensor_key(vec), "layer": probe.steer_layer, "n_pairs": n_pairs, "seed": seed,
               "max_new_tokens": max_new_tokens, "offset": offset, "scorer": metrics.resolve_scorer(scorer),
-              "chunk": chunk}
+              "chunk": chunk, "prompts": cache.content_hash(pool)}
     out = cache.get_or_build("pairs", lm.name, params, build)
     df = out["pairs"].copy()
     df.attrs.update(n_tried=out["n_tried"], scorer=out["scorer"])
@@ -362,11 +365,12 @@ def toxicity_perplexity_f1(lm: Loaded, n_prompts: int = DEFAULTS["n_prompts"], n
     for k, v in (("n_prompts", n_prompts), ("n_wiki", n_wiki)):
         if not isinstance(v, int) or v <= 0:
             raise ValueError(f"{k} must be a positive integer, got {v!r}")
-    prompts = data.challenge_prompts(n_prompts)
+    inputs = evaluation_inputs(n_prompts, n_wiki)
+    prompts = inputs["challenge_prompts"]
     gen = metrics.generate(lm, prompts, max_new_tokens, batch_size, max_prompt_tokens=32, progress=progress,
                            desc="challenge prompts")
     tox, name = metrics.toxicity(gen.continuations, scorer)
-    wiki = data.wiki_samples(n_wiki)
+    wiki = inputs["wiki"]
     golds = [r["gold"] for r in wiki]
     ppl = metrics.perplexity(lm, golds, progress=progress)
     wgen = metrics.generate(lm, [r["prompt"] for r in wiki], max_new_tokens, batch_size, max_prompt_tokens=32,
@@ -381,6 +385,15 @@ def toxicity_perplexity_f1(lm: Loaded, n_prompts: int = DEFAULTS["n_prompts"], n
                         for n, g in zip(wgen.new_ids, golds)])
     return out
 
+
+def evaluation_inputs(n_prompts: int = DEFAULTS["n_prompts"], n_wiki: int = DEFAULTS["n_wiki"], **_) -> dict:
+    """The data :func:`toxicity_perplexity_f1` reads at these sizes: {"challenge_prompts", "wiki"}.
+    ``dpo_neurons.reference_evaluations`` puts its ``cache.content_hash`` into the cache key, so an
+    edited prompt is evaluated again (other keyword arguments of the evaluation are ignored here)."""
+    return {"challenge_prompts": data.challenge_prompts(n_prompts), "wiki": data.wiki_samples(n_wiki)}
+
+
+toxicity_perplexity_f1.inputs = evaluation_inputs  # the data it reads, for content-keyed caches
 
 # DEPRECATED alias: notebooks 02, 03, 05 and 06 call it; remove once they call toxicity_perplexity_f1.
 evaluate = toxicity_perplexity_f1

@@ -259,10 +259,16 @@ def reference_evaluations(model_name: str, base: Loaded, tuned: Loaded, tuned_pa
                           **eval_kwargs) -> dict:
     """``evaluate(lm, **eval_kwargs)`` of the base and the fine-tuned model, cached (so notebooks that
     compare interventions with both reuse them). Keys: model, which model, ``tuned_params`` (for
-    the tuned one), ``eval_kwargs`` with the toxicity scorer resolved. Returns {"base": ..., "tuned": ...}."""
+    the tuned one), ``eval_kwargs`` with the toxicity scorer resolved, and the content hash of the
+    data ``evaluate`` reads when it declares it as ``evaluate.inputs(**eval_kwargs)`` (as
+    ``lib.dpo.toxicity_perplexity_f1`` does): an edited prompt is evaluated again.
+    Returns {"base": ..., "tuned": ...}."""
     kw = {k: v for k, v in sorted(eval_kwargs.items()) if k != "progress"}
     if "scorer" in kw:
         kw["scorer"] = metrics.resolve_scorer(kw["scorer"])
+    inputs = getattr(evaluate, "inputs", None)
+    if inputs is not None:
+        kw["data"] = cache.content_hash(inputs(**eval_kwargs))
     out = {}
     for label, lm in (("base", base), ("tuned", tuned)):
         params = {"which": label, "evaluate": f"{evaluate.__module__}.{evaluate.__qualname__}", **kw,

@@ -481,26 +481,32 @@ evaluate = accuracy_or_perplexity
 SCRATCH_TASKS = ("SST-2", "CoLA", "RTE", "MRPC", "multihop", "LM")
 
 
-def task_data(task: str, tokenizer, max_length: int, vocab_size: int, n_eval: int | None = None, seed: int = 0):
-    """(train, dev, vocab) encodings for a from-scratch run. GLUE: the 1,000-row train sample and the
-    GLUE dev set; 'multihop': 1,000 / 500 synthetic examples; 'LM': Wikipedia prompt+gold text of rows
-    0..1499 for training and the gold text of rows 1500.. for evaluation, in chunks of ``max_length``."""
+def task_source(task: str):
+    """The raw (train, dev) data of a from-scratch task. GLUE: the 1,000-row train sample and the GLUE
+    dev set (DataFrames); 'multihop': 1,000 / 500 synthetic examples; 'LM': Wikipedia prompt+gold text
+    of rows 0..1499 for training and the gold text of rows 1500.. for evaluation (lists of texts)."""
     from lib import data
 
     if task not in SCRATCH_TASKS:
         raise ValueError(f"unknown task {task!r}: use one of {', '.join(SCRATCH_TASKS)}")
     if task == "LM":
         rows = data.wiki_samples()
-        train_txt = [r["prompt"] + " " + r["gold"] for r in rows[:1500]]
-        dev_txt = [r["gold"] for r in rows[1500:]]
+        return [r["prompt"] + " " + r["gold"] for r in rows[:1500]], [r["gold"] for r in rows[1500:]]
+    if task == "multihop":
+        return synthetic_multihop(1000, seed=1000), synthetic_multihop(500, seed=2000)
+    return data.glue(task, "train"), data.glue(task, "dev")
+
+
+def task_data(task: str, tokenizer, max_length: int, vocab_size: int, n_eval: int | None = None, seed: int = 0):
+    """(train, dev, vocab) encodings of :func:`task_source` for a from-scratch run (LM texts in
+    chunks of ``max_length``)."""
+    if task == "LM":
+        train_txt, dev_txt = task_source(task)
         raw = encode_lm(tokenizer, train_txt, max_length)
         vocab = compact_vocab(tokenizer, raw["input_ids"].tolist(), vocab_size)
         tr, dev = encode_lm(tokenizer, train_txt, max_length, vocab), encode_lm(tokenizer, dev_txt, max_length, vocab)
     else:
-        if task == "multihop":
-            tr_df, dev_df = synthetic_multihop(1000, seed=1000), synthetic_multihop(500, seed=2000)
-        else:
-            tr_df, dev_df = data.glue(task, "train"), data.glue(task, "dev")
+        tr_df, dev_df = task_source(task)
         raw = encode_classification(tokenizer, tr_df, max_length)
         vocab = compact_vocab(tokenizer, raw["input_ids"].tolist(), vocab_size)
         tr, dev = encode_classification(tokenizer, tr_df, max_length, vocab), encode_classification(tokenizer, dev_df, max_length, vocab)
@@ -535,7 +541,8 @@ def scratch_run(task: str, size: str, seed: int, variant: str, steps: int, batch
         raise ValueError(f"unknown variant {variant!r}: use one of {', '.join(modes)}")
     params = dict(task=task, size=SIZES[size], seed=seed, variant=variant, steps=steps, batch_size=batch_size,
                   max_length=max_length, lr=lr, j_lr=j_lr, J=J, vocab_size=vocab_size, n_stats=n_stats,
-                  n_eval=n_eval, tokenizer=decoder if task == "LM" else encoder, version=1)
+                  n_eval=n_eval, tokenizer=decoder if task == "LM" else encoder, version=1,
+                  data=cache.content_hash(task_source(task)))  # edited train or dev rows: trained again
 
     def build():
         tok = scratch_tokenizer(task, encoder, decoder)

@@ -223,8 +223,8 @@ def _hub_dir(spec: ModelSpec) -> Path:
         return Path(snapshot_download(spec.hub_id, local_files_only=True, allow_patterns=patterns))
     except Exception:  # not cached (LocalEntryNotFoundError and friends)
         pass
-    how = (f"on a machine with network access run `huggingface-cli download {spec.hub_id}` "
-           "(log in first for gated models), or pass a local folder as model_name")
+    how = (f"on a machine with network access run `hf download {spec.hub_id}` "
+           "(gated models: `hf auth login` first), or pass a local folder as model_name")
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
         raise ModelUnavailableError(f"model {spec.name!r} ({spec.hub_id}) is not in the Hugging Face cache "
                                     f"and HF_HUB_OFFLINE is set: {how}")

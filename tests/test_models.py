@@ -36,7 +36,7 @@ def test_bad_dtype_and_task():
 def test_offline_uncached_model_fails_before_loading(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    with pytest.raises(models.ModelUnavailableError, match="gpt2-medium.*huggingface-cli download"):
+    with pytest.raises(models.ModelUnavailableError, match="gpt2-medium.*`hf download openai-community/gpt2-medium`"):
         models.load("gpt2-medium")
 
 

@@ -415,3 +415,34 @@ def test_stability_runs_each_thread_count_outside_the_tree(tmp_path):
                           "# NBVAL_CHECK_OUTPUT\nfrom lib import paths\nprint(paths.ROOT)")
     assert runner.stability([probe], (1, 2), out_dir=out, timeout=300) == {"98_where": ""}
     assert runner.key_cell_outputs(out / "threads-1" / probe.name) == [f"{(out / 'tree').resolve()}\n"]
+
+
+# ----------------------------------------------------------------------------- messages (issue 14, point 9)
+
+
+def test_messages_name_the_hub_cli_the_environment_ships():
+    """The installed huggingface_hub ships `hf` (download, auth login), not `huggingface-cli`."""
+    hf = Path(sys.executable).parent / "hf"
+    assert hf.exists() and not (Path(sys.executable).parent / "huggingface-cli").exists()
+    assert subprocess.run([str(hf), "download", "--help"], capture_output=True, timeout=60).returncode == 0
+    files = [*sorted((ROOT / "lib").glob("*.py")), ROOT / "README.md", ROOT / "docs" / "workflow.md",
+             ROOT / "Snakefile", ROOT / "Makefile"]
+    assert not [f.name for f in files if "huggingface-cli" in f.read_text(encoding="utf-8")]
+
+
+def test_kernel_config_drops_only_the_tcp_warning(tmp_path, caplog):
+    import logging
+
+    exec(compile(runner.KERNEL_CONFIG_TEXT, "ipython_kernel_config.py", "exec"), {"get_config": dict})
+    log = logging.getLogger("IPKernelApp")
+    with caplog.at_level(logging.WARNING):
+        log.warning("Kernel is running over TCP without encryption. All communication ...")
+        log.warning("some other kernel warning")
+    assert [r.getMessage() for r in caplog.records] == ["some other kernel warning"]
+    # a papermill run with the venv's kernel config prints no such warning
+    assert runner.install_kernel_config(quiet=True) == runner.kernel_config_path()
+    nb = fake_notebook(tmp_path / "01_x.ipynb", "m", "x = 1")
+    proc = subprocess.run([sys.executable, "-m", "papermill", str(nb), str(tmp_path / "out.ipynb"),
+                           "--log-level", "WARNING", "--no-progress-bar"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "without encryption" not in proc.stdout + proc.stderr

@@ -1,5 +1,6 @@
 """Relation-specific neurons: prompts and splits of factual relations, recall accuracy, AP scores of
-neurons, deactivation with random controls, set overlaps and bootstrap intervals.
+neurons, deactivation with random controls, the rule that calls a relation's drop specific, and set
+overlaps (with the bound on what overlap one-vs-rest AP allows). Intervals and tests: :mod:`lib.stats`.
 
 The method of "On Relation-Specific Neurons in Large Language Models" (EMNLP 2025), which builds
 on Kojima et al.'s expert-neuron code:
@@ -177,10 +178,6 @@ def greedy_recall(lm: Loaded, prompts: Sequence[str], golds: Sequence[str], off=
                          "rank": gen.first_token_rank, "logprob": gen.first_token_logprob})
 
 
-# DEPRECATED alias: tests/test_relations.py calls it; remove once it calls greedy_recall.
-evaluate = greedy_recall
-
-
 @dataclass
 class TestSet:
     """All test prompts of several relations, evaluated together in one batched pass."""
@@ -305,18 +302,36 @@ def chance_overlap(k: int, n_total: int) -> tuple[float, float]:
     return e, e / (2 * k - e)
 
 
-def bootstrap_diff(after: np.ndarray, before: np.ndarray, n_boot: int = 1000, seed: int = 0,
-                   level: float = 0.95) -> tuple[float, float, float]:
-    """Mean paired difference after - before (e.g. correct 0/1 per test prompt) and its percentile
-    bootstrap interval, resampling prompts with replacement: (diff, low, high)."""
-    a, b = np.asarray(after, dtype=float), np.asarray(before, dtype=float)
-    if a.shape != b.shape or a.ndim != 1 or len(a) == 0:
-        raise ValueError("after and before must be 1-D arrays of the same non-zero length")
-    d = a - b
-    rng = np.random.default_rng(seed)
-    means = d[rng.integers(0, len(d), size=(n_boot, len(d)))].mean(1)
-    lo, hi = np.quantile(means, [(1 - level) / 2, 1 - (1 - level) / 2])
-    return float(d.mean()), float(lo), float(hi)
+def is_specific(drop_on_r: float, mean_drop_on_others: float, control_drops: Sequence[float]) -> bool:
+    """Notebook 11's rule: r's drop (accuracy lost on r's test facts with r's top-k neurons off) is
+    *specific* when it exceeds both the mean drop the same neurons cause on the other relations and
+    the **largest** drop among r's random-neuron controls (every control must be beaten)."""
+    c = np.asarray(control_drops, dtype=float).ravel()
+    if c.size == 0 or not np.isfinite(c).all():
+        raise ValueError("is_specific needs at least one finite control drop")
+    return bool(drop_on_r > mean_drop_on_others and drop_on_r > c.max())
+
+
+def max_pair_ap_sum(n_a: int, n_b: int) -> float:
+    """The largest AP_a + AP_b one neuron can reach as a one-vs-rest detector of two relations at once,
+    with n_a and n_b positive prompts (each relation's prompts are negatives of the other).
+
+    The best case puts both relations' prompts above every other prompt; the sum then depends only on
+    how the two are interleaved, and a dynamic programme over (a placed, b placed) finds its maximum
+    (placing the i-th a-prompt at rank i + j adds i / (i + j) / n_a). A neuron can sit in the top-k of
+    both relations only if this bound reaches the sum of their k-th best APs."""
+    for name, v in {"n_a": n_a, "n_b": n_b}.items():
+        if not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    f = np.full((n_a + 1, n_b + 1), -np.inf)
+    f[0, 0] = 0.0
+    for i in range(n_a + 1):
+        for j in range(n_b + 1):
+            if i:
+                f[i, j] = max(f[i, j], f[i - 1, j] + i / (i + j) / n_a)
+            if j:
+                f[i, j] = max(f[i, j], f[i, j - 1] + j / (i + j) / n_b)
+    return float(f[n_a, n_b])
 
 
 # ----------------------------------------------------------------------------- cached runs

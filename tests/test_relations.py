@@ -93,11 +93,33 @@ def test_is_correct(cont, gold, ok):
     assert relations.is_correct(cont, gold) is ok
 
 
-def test_bootstrap_and_overlaps():
-    after, before = np.array([1, 1, 1, 1, 0, 0]), np.array([0, 0, 1, 1, 0, 0])
-    d, lo, hi = relations.bootstrap_diff(after, before, n_boot=2000)
-    assert d == pytest.approx(2 / 6) and lo <= d <= hi and lo >= 0
-    assert relations.bootstrap_diff(before, before)[1:] == (0.0, 0.0)
+def test_specific_needs_to_beat_the_largest_control_drop():
+    # issue 14 point 8: a drop of 0.00 beat the *smallest* random drop (-0.10) and counted as specific
+    assert not relations.is_specific(0.0, -0.05, [-0.10, 0.05])
+    assert not relations.is_specific(0.05, -0.05, [-0.10, 0.05])  # equal to the largest: not beyond it
+    assert relations.is_specific(0.10, -0.05, [-0.10, 0.05])
+    assert not relations.is_specific(0.10, 0.20, [-0.10, 0.05])  # the other relations drop more
+    with pytest.raises(ValueError, match="control"):
+        relations.is_specific(0.1, 0.0, [])
+
+
+def test_max_pair_ap_sum_matches_every_interleaving():
+    from itertools import combinations
+
+    for n_a, n_b in [(1, 1), (2, 3), (4, 4), (3, 5)]:
+        n, best = n_a + n_b, 0.0
+        for pos_a in combinations(range(n), n_a):  # ranks of a's prompts; b's fill the rest, negatives below
+            y_a = np.isin(np.arange(n), pos_a).astype(int)
+            score = np.concatenate([np.arange(n, 0, -1.0), -np.ones(5)])  # rank order, then 5 other prompts
+            y = np.concatenate([y_a, np.zeros(5, int)]), np.concatenate([1 - y_a, np.zeros(5, int)])
+            best = max(best, sum(float(np.ravel(metrics.average_precision(score, t))[0]) for t in y))
+        assert relations.max_pair_ap_sum(n_a, n_b) == pytest.approx(best)
+    assert relations.max_pair_ap_sum(1, 1) == pytest.approx(1.5)
+    # with 12 positives each, no neuron reaches AP 0.75 for two relations at once (13's top-200 sets)
+    assert relations.max_pair_ap_sum(12, 12) < 2 * 0.75
+
+
+def test_overlaps():
     inter, jac = relations.overlap_matrix({"a": np.array([[0, 1], [0, 2]]), "b": np.array([[0, 2], [1, 1]])})
     assert inter.loc["a", "b"] == 1 and jac.loc["a", "b"] == pytest.approx(1 / 3) and jac.loc["a", "a"] == 1
     e, j = relations.chance_overlap(10, 1000)

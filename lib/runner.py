@@ -394,13 +394,25 @@ def stability(notebooks: list[Path], threads: tuple[int, ...] = (1, 2), fresh_ca
     default, so an artifact an earlier run built is reused and what the notebook computes itself is
     checked; ``fresh_cache`` gives each thread count an empty cache folder (<out_dir>/cache-<n>, with
     the converted embedded models linked in), so every artifact is rebuilt at that thread count."""
+    temporary = out_dir is None
     out_dir = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="compendium-stability-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     box = out_dir / "tree"
     if not box.exists():
         _sandbox(box)
     install_kernel_config(quiet=True)
-    print(f"stability runs in {out_dir}", flush=True)
+    print(f"stability runs in {out_dir} (executed notebooks: threads-<n>/)", flush=True)
+    try:
+        return _stability_runs(notebooks, threads, fresh_cache, out_dir, box, timeout)
+    finally:  # the copy of the tree goes; executed notebooks stay to read (fresh caches too, with --out)
+        shutil.rmtree(box, ignore_errors=True)
+        if temporary:
+            for d in out_dir.glob("cache-*"):
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def _stability_runs(notebooks: list[Path], threads: tuple[int, ...], fresh_cache: bool, out_dir: Path, box: Path,
+                    timeout: int | None) -> dict[str, str]:
     report = {}
     for nb in notebooks:
         runs: dict[int, Path | str] = {}

@@ -415,6 +415,7 @@ def test_stability_runs_each_thread_count_outside_the_tree(tmp_path):
                           "# NBVAL_CHECK_OUTPUT\nfrom lib import paths\nprint(paths.ROOT)")
     assert runner.stability([probe], (1, 2), out_dir=out, timeout=300) == {"98_where": ""}
     assert runner.key_cell_outputs(out / "threads-1" / probe.name) == [f"{(out / 'tree').resolve()}\n"]
+    assert not (out / "tree").exists()  # the copy is removed after the runs
 
 
 # ----------------------------------------------------------------------------- messages (issue 14, point 9)

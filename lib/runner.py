@@ -274,6 +274,9 @@ def recover(workdir: Path = paths.ROOT, results: Path | None = None) -> list[str
     partial = sorted(results.rglob(".*.partial.ipynb")) if results.is_dir() else []
     if not lock_files and not partial:
         return []
+    if not Path("/proc").is_dir():  # not Linux: no way to tell a live Snakemake from a killed one
+        return [f"cannot tell whether Snakemake runs in {workdir} (no /proc): if none does, "
+                "run `.venv/bin/snakemake --unlock` once"]
     live = workflow_processes(workdir)
     if live:
         who = ", ".join(f"{kind} pid {pid}" for pid, kind in live)

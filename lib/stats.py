@@ -8,9 +8,8 @@ Conventions
   item order; the effect is ``treated - baseline``.
 - Intervals are two-sided at ``level`` (default 0.95). Bootstrap intervals are BCa
   (``scipy.stats.bootstrap``); where the data have no spread (every difference equal), BCa is
-  undefined: binary differences then get the exact (Clopper-Pearson) bound on the share of items
-  that could have changed, anything else a zero-width interval, which the verdict rule never
-  counts as significance.
+  undefined: right/wrong outcomes then get an exact (Clopper-Pearson) interval on the share of items
+  changed, anything else a zero-width interval, which the verdict rule never counts as significance.
 """
 from __future__ import annotations
 
@@ -64,14 +63,23 @@ def _as_float(x) -> np.ndarray:
     return a
 
 
-def _degenerate(d: np.ndarray, value: float, level: float, method: str) -> Estimate:
-    """Interval for differences with no spread (BCa undefined)."""
-    n = d.size
-    if np.isin(np.unique(d), (-1.0, 0.0, 1.0)).all() and np.all(d == 0):
-        # paired right/wrong outcomes with no item changed: the share of items that could change
-        # either way is bounded by the exact binomial interval of 0 discordant pairs out of n
+def _degenerate(t: np.ndarray, b: np.ndarray, value: float, level: float, method: str) -> Estimate:
+    """Interval for paired differences with no spread (BCa undefined).
+
+    Right/wrong outcomes (both samples 0/1) get an exact binomial interval: with no item changed, the
+    share that could change either way is bounded by Clopper-Pearson for 0 of n; with every item
+    changed the same way (all lost or all gained), the share changed is at least the lower bound for
+    n of n. Anything else gets a zero-width interval, which the verdict rule never counts.
+    """
+    n, d = t.size, t - b
+    binary = np.isin(t, (0.0, 1.0)).all() and np.isin(b, (0.0, 1.0)).all()
+    if binary and d[0] == 0:
         hi = _st.binomtest(0, n).proportion_ci(confidence_level=level, method="exact").high
         return Estimate(value, -hi, hi, n, level, f"{method}; no item changed: exact bound")
+    if binary:
+        lo = _st.binomtest(n, n).proportion_ci(confidence_level=level, method="exact").low
+        ends = sorted((d[0] * lo, d[0] * 1.0))
+        return Estimate(value, ends[0], ends[1], n, level, f"{method}; every item changed alike: exact bound")
     return Estimate(value, value, value, n, level, f"{method}; no spread: zero-width interval")
 
 
@@ -104,7 +112,7 @@ def paired_bootstrap(treated: Sequence[float], baseline: Sequence[float], level:
     if t.size < 2 or np.all(d == d[0]):
         if relative:
             return Estimate(value, value, value, t.size, level, "paired bootstrap; no spread: zero-width interval")
-        return _degenerate(d, value, level, "paired bootstrap")
+        return _degenerate(t, b, value, level, "paired bootstrap")
 
     def diff(a, c, axis=-1):
         if relative:

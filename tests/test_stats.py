@@ -31,6 +31,10 @@ def test_degenerate_binary_differences_get_an_exact_bound_not_zero_width():
     assert np.isclose(e.high, st.binomtest(0, 50).proportion_ci(method="exact").high)
     constant = stats.paired_bootstrap(np.full(5, 2.0), np.full(5, 1.0))
     assert constant.width == 0  # a constant non-binary shift: zero width, which the verdict rule refuses
+    assert stats.paired_bootstrap(np.full(5, 0.3), np.full(5, 0.3)).width == 0  # continuous no-op: no binary bound
+    lost = stats.paired_bootstrap(np.zeros(40), np.ones(40))  # every fact lost
+    assert lost.value == -1 and lost.high < -0.9 and lost.low == -1
+    assert np.isclose(lost.high, -st.binomtest(40, 40).proportion_ci(method="exact").low)
 
 
 def test_mcnemar_is_exact_and_counts_discordant_pairs():

@@ -81,3 +81,20 @@ def test_figures_are_saved_per_model(tmp_project):
     assert p == tmp_project / "figures" / "org--model" / "00_line.png" and p.stat().st_size > 0
     with pytest.raises(ValueError):
         plotting.save(fig, "m", "a/b")
+
+
+def test_an_adhoc_run_records_in_its_run_folder_and_leaves_the_published_ledger(tmp_project, monkeypatch):
+    from lib import params
+
+    results.record("m", "01_a", _verdict(finding="finding 01_a"), "published")
+    published = results.write_claims("m").read_text()
+    run = params.Run(notebook="01_a", model_name="m", values={"seed": 1}, overrides={"seed": 1},
+                     published=False, key="abc123def456")
+    monkeypatch.setattr(params, "_CURRENT", run)
+    path = results.record("m", "01_a", _verdict(finding="finding 01_a", value=0.05), "ad hoc")
+    folder = tmp_project / "results" / "m" / "runs" / "abc123def456"
+    assert path == folder / "01_a.json"
+    assert "ad hoc" in (folder / "claims.json").read_text() and "non-published" in (folder / "claims.md").read_text()
+    assert json.loads((tmp_project / "results" / "m" / "01_a.json").read_text())["findings"][0]["ours"] == "published"
+    monkeypatch.setattr(params, "_CURRENT", None)
+    assert results.write_claims("m").read_text() == published  # the run folder is not published

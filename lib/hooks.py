@@ -462,16 +462,6 @@ class AttentionPlug:
 _PLUGS: dict[torch.nn.Module, AttentionPlug] = {}
 
 
-class _LayerIndex(int):
-    """The layer handed to ``refine`` / ``capture``: a plain int. DEPRECATED: ``._compendium_layer``
-    (the layer, as callbacks written for the old module attribute read it) goes once the notebooks
-    take ``layer`` (see notes/renames.md)."""
-
-    @property
-    def _compendium_layer(self) -> int:
-        return int(self)
-
-
 def _register():
     """Route attention through :func:`_attention` under the name 'compendium' (once per process)."""
     global _registered
@@ -512,7 +502,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             valid = mask > torch.finfo(mask.dtype).min / 2
         scores = scores + mask
     plug = _PLUGS.get(module)
-    layer = None if plug is None else _LayerIndex(plug.layer)
+    layer = None if plug is None else plug.layer
     if plug is not None and plug.refine is not None:
         scores = plug.refine(scores, valid, layer)
         if valid is not None:

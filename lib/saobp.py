@@ -472,10 +472,6 @@ def accuracy_or_perplexity(lm: models.Loaded, enc: dict, batch_size: int = 64) -
     return {"accuracy": correct / total}
 
 
-# DEPRECATED alias: notebook 08 calls it; remove once it calls accuracy_or_perplexity.
-evaluate = accuracy_or_perplexity
-
-
 # ----------------------------------------------------------------------------- one cached experiment
 
 SCRATCH_TASKS = ("SST-2", "CoLA", "RTE", "MRPC", "multihop", "LM")

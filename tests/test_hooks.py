@@ -253,11 +253,3 @@ def test_attention_plugs_are_explicit_and_gone_after_exit(tiny, texts):
     assert [set(vars(m)) for m in mods] == before
     _out(tiny, enc)
     assert outer == [0, 0, 1]  # no capture outside the block
-
-
-def test_deprecated_layer_attribute_still_reads_the_layer(tiny, texts):
-    """Until notebook 08 takes ``layer`` (notes/renames.md), ``layer._compendium_layer`` is the layer."""
-    seen = []
-    with hooks.attention(tiny, capture=lambda p, v, layer: seen.append((layer, layer._compendium_layer))):
-        _out(tiny, _enc(tiny, texts))
-    assert seen == [(L, L) for L in range(tiny.info.n_layers)]

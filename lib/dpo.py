@@ -66,6 +66,12 @@ class Probe:
     jigsaw_majority: float = float("nan")  # accuracy of always answering the majority class
     steer_layer: int = -1  # block after which the steering vector is added (-1: none measured)
     steer_direction: torch.Tensor | None = None  # [d_model] mean toxic - mean non-toxic state after steer_layer
+    # The probe's data, for intervals and permuted-label controls (notebook 01); None when not kept
+    train_features: torch.Tensor | None = None  # [n_train, d_model] features of the training split
+    train_labels: torch.Tensor | None = None  # [n_train] 0/1
+    test_features: torch.Tensor | None = None  # [n_test, d_model] features of the test set (the Jigsaw sample)
+    test_labels: torch.Tensor | None = None  # [n_test] 0/1
+    test_predicted: torch.Tensor | None = None  # [n_test] 0/1, the probe's predictions on the test set
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Decision function on pooled features [n, d_model] -> [n] (> 0 means toxic)."""
@@ -89,6 +95,14 @@ def features(lm: Loaded, texts: Sequence[str], max_length: int = 64, batch_size:
     return hooks.residual_means(lm, texts, PROBE_FEATURE_LAYER, batch_size, max_length, progress)
 
 
+def probe_classifier():
+    """The probe's estimator: scikit-learn's LogisticRegression with its defaults (more iterations,
+    so that lbfgs converges). Refit it on permuted labels for a matched control."""
+    from sklearn.linear_model import LogisticRegression
+
+    return LogisticRegression(max_iter=5000)
+
+
 def fit_probe(lm: Loaded, texts: Sequence[str], labels: Sequence[int], val_fraction: float = 0.1,
               test_texts: Sequence[str] | None = None, test_labels: Sequence[int] | None = None,
               seed: int = 0, max_length: int = 64, batch_size: int = 32, progress: bool = True,
@@ -97,8 +111,9 @@ def fit_probe(lm: Loaded, texts: Sequence[str], labels: Sequence[int], val_fract
     :func:`features` of ``texts``; accuracy on a stratified ``val_fraction`` split and on the
     optional test set (``jigsaw_accuracy``). With ``steer_depth``, the same forward pass also
     gives the steering vector: the training split's mean toxic minus mean non-toxic state after
-    block :func:`steer_layer` (the probe's class-mean difference at that depth)."""
-    from sklearn.linear_model import LogisticRegression
+    block :func:`steer_layer` (the probe's class-mean difference at that depth). The probe keeps
+    the training split's features and labels and the test set's features, labels and predictions,
+    so that its accuracy can be bootstrapped and compared with probes refit on permuted labels."""
     from sklearn.model_selection import train_test_split
 
     y = np.asarray(labels).astype(int)
@@ -113,23 +128,27 @@ def fit_probe(lm: Loaded, texts: Sequence[str], labels: Sequence[int], val_fract
     states = hooks.pooled_residuals(lm, texts, layers, batch_size, max_length, progress, desc="probe states")
     X = states[PROBE_FEATURE_LAYER].numpy()
     idx_tr, idx_va = train_test_split(np.arange(len(y)), test_size=val_fraction, random_state=seed, stratify=y)
-    clf = LogisticRegression(max_iter=5000).fit(X[idx_tr], y[idx_tr])
+    clf = probe_classifier().fit(X[idx_tr], y[idx_tr])
     steer = None
     if L_steer is not None:
         S, ytr = states[L_steer][torch.tensor(idx_tr)], torch.tensor(y[idx_tr])  # output of block L_steer
         steer = S[ytr == 1].mean(0) - S[ytr == 0].mean(0)
     test_acc = test_bal = test_major = float("nan")
+    Xte = yte = pred = None
     if test_texts is not None:
         from sklearn.metrics import balanced_accuracy_score
 
         Xte = features(lm, test_texts, max_length, batch_size, progress).numpy()
         yte = np.asarray(test_labels).astype(int)
+        pred = clf.predict(Xte)
         test_acc = float(clf.score(Xte, yte))
-        test_bal = float(balanced_accuracy_score(yte, clf.predict(Xte)))
+        test_bal = float(balanced_accuracy_score(yte, pred))
         test_major = float(max(yte.mean(), 1 - yte.mean()))
     return Probe(torch.tensor(clf.coef_[0], dtype=torch.float32), float(clf.intercept_[0]),
                  float(clf.score(X[idx_va], y[idx_va])), test_acc, len(idx_tr), test_bal, test_major,
-                 -1 if L_steer is None else L_steer, steer)
+                 -1 if L_steer is None else L_steer, steer, torch.from_numpy(X[idx_tr]).float(),
+                 torch.from_numpy(y[idx_tr]), None if Xte is None else torch.from_numpy(Xte).float(),
+                 None if yte is None else torch.from_numpy(yte), None if pred is None else torch.from_numpy(pred))
 
 
 def _probe_data(n_per_class: int, seed: int) -> tuple[list[str], list[int]]:
@@ -158,7 +177,7 @@ def train_probe(lm: Loaded, n_per_class: int = DEFAULTS["n_probe_per_class"], se
                          steer_depth)
 
     params = {"n_per_class": n_per_class, "seed": seed, "max_length": max_length, "layer": PROBE_FEATURE_LAYER,
-              "steer_depth": round(float(steer_depth), 6), "version": 3,
+              "steer_depth": round(float(steer_depth), 6), "version": 4,
               "data": cache.content_hash([texts, labels, jig_texts, jig_labels])}  # edited tweets: a new probe
     return cache.get_or_build("probe", lm.name, params, build)
 
@@ -394,6 +413,3 @@ def evaluation_inputs(n_prompts: int = DEFAULTS["n_prompts"], n_wiki: int = DEFA
 
 
 toxicity_perplexity_f1.inputs = evaluation_inputs  # the data it reads, for content-keyed caches
-
-# DEPRECATED alias: notebooks 02, 03, 05 and 06 call it; remove once they call toxicity_perplexity_f1.
-evaluate = toxicity_perplexity_f1

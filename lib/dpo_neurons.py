@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from lib import cache, hooks, metrics
+from lib import cache, hooks, metrics, stats
 from lib.models import Loaded
 
 GROUPS = ("TP", "TN", "AP", "AN")
@@ -40,16 +40,19 @@ EDIT_SIGN = {"TP": -1.0, "AN": -1.0, "AP": 1.0, "TN": 1.0}
 
 def generation_stats(lm: Loaded, prompts: Sequence[str], max_new_tokens: int = 20, k: int = 20,
                      batch_size: int = metrics.GENERATE_BATCH_SIZE, max_prompt_tokens: int = 32,
-                     progress: bool = True, desc: str | None = None) -> tuple[hooks.NeuronStats, metrics.Generations]:
+                     progress: bool = True, desc: str | None = None,
+                     pooled: bool = False) -> tuple[hooks.NeuronStats, metrics.Generations]:
     """The model continues each prompt greedily (its own generation); then the per-neuron mean
     activation over the last ``k`` tokens of prompt + continuation. Returns (stats, generations);
-    ``stats.mean`` is [n_layers, d_mlp]."""
+    ``stats.mean`` is [n_layers, d_mlp]; with ``pooled``, ``stats.pooled`` is the same mean per prompt,
+    [n_prompts, n_layers, d_mlp] (for intervals over prompts)."""
     gen = metrics.generate(lm, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
                            max_prompt_tokens=max_prompt_tokens, progress=progress,
                            desc=f"{desc or lm.name}: generating")
     # no truncation: it would cut the end of the text, where the counted positions are
     stats = hooks.mlp_activation_stats(lm, gen.full_texts, positions="last_k", k=k, batch_size=batch_size,
-                                       max_length=None, progress=progress, desc=f"{desc or lm.name}: activations")
+                                       max_length=None, pooled=pooled, progress=progress,
+                                       desc=f"{desc or lm.name}: activations")
     return stats, gen
 
 
@@ -60,22 +63,26 @@ def pair_stats(model_name: str, base: Loaded, tuned: Loaded, tuned_params: dict,
     on its own generations, cached under ``model_name`` + ``tuned_params`` (what identifies the
     fine-tuned model, e.g. the DPO sizes and seed) + the statistics' parameters.
 
-    Returns {"base": [n_layers, d_mlp], "tuned": [n_layers, d_mlp], "base_continuations",
-    "tuned_continuations", "prompts", "count"} (means on the CPU, float32)."""
+    Returns {"base": [n_layers, d_mlp], "tuned": [n_layers, d_mlp], "base_per_prompt" and
+    "tuned_per_prompt" ([n_prompts, n_layers, d_mlp], the same means per prompt, for bootstrap
+    intervals over prompts), "base_continuations", "tuned_continuations", "prompts", "count"}
+    (means on the CPU, float32)."""
     prompts = list(prompts)
     if not prompts:
         raise ValueError("pair_stats needs at least one prompt")
     params = {"tuned": dict(sorted(tuned_params.items())), "prompts": prompts, "max_new_tokens": max_new_tokens,
-              "k": k, "max_prompt_tokens": max_prompt_tokens, "positions": "last_k", "own_generations": True}
+              "k": k, "max_prompt_tokens": max_prompt_tokens, "positions": "last_k", "own_generations": True,
+              "per_prompt": True}
 
     def build():
         sb, gb = generation_stats(lm=base, prompts=prompts, max_new_tokens=max_new_tokens, k=k,
                                   batch_size=batch_size, max_prompt_tokens=max_prompt_tokens,
-                                  progress=progress, desc="base")
+                                  progress=progress, desc="base", pooled=True)
         st, gt = generation_stats(lm=tuned, prompts=prompts, max_new_tokens=max_new_tokens, k=k,
                                   batch_size=batch_size, max_prompt_tokens=max_prompt_tokens,
-                                  progress=progress, desc="tuned")
-        return {"base": sb.mean, "tuned": st.mean, "base_continuations": gb.continuations,
+                                  progress=progress, desc="tuned", pooled=True)
+        return {"base": sb.mean, "tuned": st.mean, "base_per_prompt": sb.pooled.float(),
+                "tuned_per_prompt": st.pooled.float(), "base_continuations": gb.continuations,
                 "tuned_continuations": gt.continuations, "prompts": gb.prompts,
                 "count": {"base": int(sb.count[0]), "tuned": int(st.count[0])}}
 
@@ -250,6 +257,21 @@ def reduction_share(base: float, intervened: float, tuned: float) -> float:
     intervention on the base model achieves (nan when the tuned model reduces nothing)."""
     gap = base - tuned
     return (base - intervened) / gap if gap > 0 else float("nan")
+
+
+def reduction_share_interval(base: Sequence[float], intervened: Sequence[float], tuned: Sequence[float],
+                             **kw) -> stats.Estimate:
+    """:func:`reduction_share` of the means of per-item values (e.g. per-prompt toxicity, items in the
+    same order in all three), with a paired BCa bootstrap interval over the items: the ratio of
+    the mean reductions, mean(base - intervened) / mean(base - tuned), is
+    ``stats.paired_bootstrap(base - intervened, base - tuned, relative=True)`` + 1. ``kw`` go to
+    :func:`lib.stats.paired_bootstrap`."""
+    b, i, t = (np.asarray(x, dtype=float) for x in (base, intervened, tuned))
+    if not b.shape == i.shape == t.shape:
+        raise ValueError(f"per-item values differ in length: {b.size}, {i.size}, {t.size}")
+    est = stats.paired_bootstrap(b - i, b - t, relative=True, **kw)
+    return stats.Estimate(est.value + 1, est.low + 1, est.high + 1, est.n, est.level,
+                          f"{est.method} of the ratio of mean reductions")
 
 
 # ----------------------------------------------------------------------------- cached reference evaluations

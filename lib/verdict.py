@@ -7,6 +7,7 @@ controls (:func:`lib.stats.against_controls`) where the finding needs them, chec
 
 1. a precondition not met                         -> inconclusive: precondition not met: <which>
 2. no interval, or one of zero width              -> inconclusive (zero spread is never significance)
+   fewer than MIN_CONTROLS matched controls        -> inconclusive (no band to be beyond)
 3. interval excludes 0, estimate >= threshold,
    beyond the controls (where they are needed)    -> holds
 4. interval excludes 0, beyond the controls,
@@ -33,6 +34,9 @@ from typing import Any, Sequence
 from lib.stats import ControlComparison, Estimate, mde_from_interval
 
 VERDICTS = ("holds", "partly holds", "does not hold", "inconclusive")
+# Fewest matched controls whose band an effect can be "beyond": with fewer, the 95th percentile is the
+# largest control or worse, and the rank p-value cannot fall below 1/(n+1) (the paper issues ask for 10).
+MIN_CONTROLS = 10
 _OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt, "==": operator.eq}
 
 
@@ -186,6 +190,9 @@ def decide(criterion: Criterion, estimate: Estimate | None, preconditions: Seque
         return out("inconclusive", f"zero spread over n = {estimate.n}: no interval, and zero spread is not significance")
     if controls is not None and controls.greater != (c.direction == "greater"):
         raise ValueError("the control comparison must be made in the criterion's direction")
+    if controls is not None and controls.n < MIN_CONTROLS and not c.bound:
+        return out("inconclusive", f"only {controls.n} matched controls ({controls.name}): at least {MIN_CONTROLS} "
+                   f"are needed to place {estimate.fmt(d)} beyond their band")
 
     s = c.sign
     if c.bound:

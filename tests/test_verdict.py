@@ -88,3 +88,9 @@ def test_bound_findings_need_the_whole_interval_on_their_side():
     assert v.verdict == "inconclusive" and "straddles" in v.reason
     with pytest.raises(ValueError, match="preconditions"):
         crit(bound=True, direction="less", threshold=0.25)
+
+
+def test_too_few_controls_cannot_make_an_effect_hold():
+    few = stats.against_controls(0.2, [0.0, 0.01])
+    v = verdict.decide(crit(), Estimate(0.2, 0.15, 0.25, 100), controls=few)
+    assert v.verdict == "inconclusive" and "only 2 matched controls" in v.reason

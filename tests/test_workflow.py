@@ -203,7 +203,7 @@ def _verdict(finding: str, value: float):
 
     c = verdict.Criterion(finding=finding, paper="0.5", effect="drop", threshold=0.1, control="random-k")
     return verdict.decide(c, stats.Estimate(value, value - 0.05, value + 0.05, 20),
-                          controls=stats.against_controls(value, [0.0, 0.01, 0.02]))
+                          controls=stats.against_controls(value, [0.001 * i for i in range(10)]))
 
 
 def test_merge_claims_puts_models_side_by_side(tmp_results):

@@ -120,7 +120,7 @@ class Criterion:
         word = "at least" if self.direction == "greater" else "at most"
         if self.bound:
             return "\n".join([f"Finding: {self.finding}", f"Paper: {self.paper}", f"Effect measured: {self.effect}",
-                              f"Counts as the finding: the whole {word.replace('at ', '')} interval {word} "
+                              f"Counts as the finding: the whole interval {word} "
                               f"{self.threshold:+.{self.digits}f}", *([f"Pre-specified setting: {self.setting}"] if self.setting else []),
                               *([f"Notes: {self.notes}"] if self.notes else [])])
         lines = [f"Finding: {self.finding}",

@@ -19,6 +19,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -372,7 +373,19 @@ def load(name: str = "smollm2-135m", device: str = "auto", dtype: Any = "auto", 
         kwargs["num_labels"] = num_labels
     if device_map is not None:
         kwargs["device_map"] = device_map
-    model = cls.from_pretrained(folder, **kwargs)
+    # transformers logs a load report naming the folder (a machine path in stored outputs); keep it
+    # quiet and say only what matters: keys missing beyond a freshly initialised task head
+    verbosity = tf.logging.get_verbosity()
+    tf.logging.set_verbosity_error()
+    try:
+        model, loading = cls.from_pretrained(folder, output_loading_info=True, **kwargs)
+    finally:
+        tf.logging.set_verbosity(verbosity)
+    head = ("classifier.", "score.", "pooler.") if task == "sequence-classification" else ()
+    missing = sorted(k for k in loading.get("missing_keys", []) if not (head and k.startswith(head)))
+    if missing:
+        warnings.warn(f"{spec.name}: {len(missing)} weights missing from the checkpoint and freshly initialised "
+                      f"(e.g. {missing[0]})", stacklevel=2)
     if device_map is None:
         model.to(dev)
     if eval_mode:

@@ -49,7 +49,7 @@ test-lib: $(STAMP) ## pytest on lib/ with tiny random models of every family
 	HF_HUB_OFFLINE=1 $(PY) -m pytest tests -q
 
 test-notebooks: $(STAMP) $(KERNEL_CFG) ## nbval on every notebook in notebooks/
-	cd notebooks && HF_HUB_OFFLINE=1 ../$(PY) -m pytest --nbval-lax --nbval-current-env \
+	cd notebooks && HF_HUB_OFFLINE=1 COMPENDIUM_PROGRESS=0 HF_HUB_DISABLE_PROGRESS_BARS=1 ../$(PY) -m pytest --nbval-lax --nbval-current-env \
 	  --nbval-sanitize-with ../tests/nbval_sanitize.cfg -p no:cacheprovider -q *.ipynb
 
 # Each notebook at COMPENDIUM_THREADS=1 and 2 (papermill, default parameters, in a copy of the tree under

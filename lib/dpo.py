@@ -220,11 +220,9 @@ def preference_pairs(lm: Loaded, probe: Probe, n_pairs: int = DEFAULTS["n_pairs"
     pool = [r["prompt"].strip() for r in data.wiki_samples(4 * n_pairs, offset=offset)]
 
     def build():
-        from tqdm.auto import tqdm
-
         repro.setup(seed)
         rows, tried, name = [], 0, None
-        bar = tqdm(total=n_pairs, desc="preference pairs", disable=not progress)
+        bar = repro.bar(total=n_pairs, desc="preference pairs", progress=progress)
         while len(rows) < n_pairs and tried < len(pool):
             prompts = pool[tried:tried + chunk]
             tried += len(prompts)
@@ -288,7 +286,8 @@ def _run_dpo(lm: Loaded, pairs: pd.DataFrame, steps: int, lr: float, beta: float
         output_dir=str(out_dir), max_steps=steps, learning_rate=lr, beta=beta, seed=seed,
         per_device_train_batch_size=batch_size, gradient_accumulation_steps=1,
         optim="rmsprop", lr_scheduler_type="constant_with_warmup", warmup_steps=max(1, steps // 10),
-        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=not progress,
+        logging_steps=1, save_strategy="no", report_to="none",
+        disable_tqdm=not (progress and repro.progress_on()),
         gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=on_cpu,
         dataloader_num_workers=0, dataset_num_proc=None, max_length=128, data_seed=seed,
     )

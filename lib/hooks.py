@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
+from lib import repro
 from lib.models import Loaded
 
 MODES = ("set", "scale", "add", "zero")
@@ -158,7 +158,8 @@ def mlp_activation_stats(lm: Loaded, texts: Sequence[str], positions: str = "all
     model = lm.model
     with MLPRecorder(lm, layers, pooled) as rec:
         n = (len(texts) + batch_size - 1) // batch_size if batch_size > 0 else 0
-        for i, chunk in enumerate(tqdm(batches(list(texts), batch_size), total=n, desc=desc, disable=not progress)):
+        chunks = repro.bar(batches(list(texts), batch_size), total=n, desc=desc, progress=progress)
+        for i, chunk in enumerate(chunks):
             enc = encode(lm, chunk, max_length)
             st = None if starts is None else starts[i * batch_size:i * batch_size + len(chunk)]
             rec.mask = position_mask(enc["attention_mask"], positions, k, st)
@@ -388,7 +389,7 @@ def pooled_residuals(lm: Loaded, texts: Sequence[str], layers: Sequence[int | st
         if "embed" in wanted:
             handles.append(block_module(lm, 0).register_forward_pre_hook(before_first_block, with_kwargs=True))
         n = (len(order) + batch_size - 1) // batch_size
-        for chunk in tqdm(batches(order, batch_size), total=n, desc=desc, disable=not progress):
+        for chunk in repro.bar(batches(order, batch_size), total=n, desc=desc, progress=progress):
             enc = encode(lm, [texts[i] for i in chunk], max_length)
             batch.clear()
             batch["mask"] = enc["attention_mask"].unsqueeze(-1).float()

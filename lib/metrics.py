@@ -13,8 +13,8 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
+from lib import repro
 from lib.hooks import batches
 from lib.models import Loaded
 
@@ -77,7 +77,7 @@ def generate(lm: Loaded, prompts: Sequence[str], max_new_tokens: int = 20, batch
     pad = tok.pad_token_id
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
     n = (len(order) + batch_size - 1) // batch_size
-    for chunk in tqdm(batches(order, batch_size), total=n, desc=desc, disable=not progress):
+    for chunk in repro.bar(batches(order, batch_size), total=n, desc=desc, progress=progress):
         width = max(len(ids[i]) for i in chunk)
         input_ids = torch.tensor([[pad] * (width - len(ids[i])) + ids[i] for i in chunk], device=model.device)
         attn = torch.tensor([[0] * (width - len(ids[i])) + [1] * len(ids[i]) for i in chunk], device=model.device)
@@ -159,8 +159,12 @@ def perplexity(lm: Loaded, texts: Sequence[str], window: int = 256, stride: int 
     tok, model = lm.tokenizer, lm.model
     ids = torch.tensor(tok(separator.join(texts))["input_ids"], device=model.device)
     nll, count, prev_end = 0.0, 0, 0
-    starts = list(range(0, max(len(ids) - 1, 1), stride))
-    for begin in tqdm(starts, desc="perplexity", disable=not progress):
+    starts = []  # window starts up to the first window that reaches the end (the bar's true total)
+    for begin in range(0, max(len(ids) - 1, 1), stride):
+        starts.append(begin)
+        if begin + window >= len(ids):
+            break
+    for begin in repro.bar(starts, desc="perplexity", progress=progress):
         end = min(begin + window, len(ids))
         target_len = end - prev_end  # tokens not scored yet
         inp = ids[begin:end].unsqueeze(0)
@@ -171,8 +175,6 @@ def perplexity(lm: Loaded, texts: Sequence[str], window: int = 256, stride: int 
         nll += float(out.loss) * n_scored
         count += n_scored
         prev_end = end
-        if end == len(ids):
-            break
     return math.exp(nll / max(count, 1))
 
 

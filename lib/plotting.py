@@ -1,5 +1,5 @@
-"""One figure style and one way to save figures: figures/<model>/<name>.png (a run at non-default
-parameters: results/<model>/runs/<key>/figures/<name>.png, see lib.params)."""
+"""One figure style and one way to save figures: figures/<model>/<name>.png and .svg (a run at
+non-default parameters: results/<model>/runs/<key>/figures/, see lib.params)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,16 +10,19 @@ from lib import params, paths
 
 
 def setup() -> None:
-    """Seaborn's paper style, fixed size and DPI, so figures look alike across notebooks."""
+    """Seaborn's paper style, fixed size and DPI, and constrained layout (titles, suptitles and
+    colour bars do not overprint each other), so figures look alike across notebooks."""
     import seaborn as sns
 
     sns.set_theme(context="notebook", style="whitegrid", palette="colorblind")
     matplotlib.rcParams.update({"figure.figsize": (7, 4), "figure.dpi": 100, "savefig.dpi": 120,
-                                "savefig.bbox": "tight", "svg.hashsalt": "compendium"})
+                                "savefig.bbox": "tight", "svg.hashsalt": "compendium",
+                                "figure.constrained_layout.use": True})
 
 
 def save(fig, model_name: str, name: str) -> Path:
-    """Save ``fig`` to figures/<model>/<name>.png and return the path (name like '01_probe_accuracy').
+    """Save ``fig`` to figures/<model>/<name>.png, with an SVG beside it, and return the PNG's path
+    (name like '01_probe_accuracy'). Neither file carries a date or software tag (reproducible bytes).
     When the run checked by lib.params.check is for this model and at non-default parameters, the
     figure goes to its run folder instead (results/<model>/runs/<key>/figures/), so an ad-hoc run
     never overwrites a tracked figure."""
@@ -32,4 +35,5 @@ def save(fig, model_name: str, name: str) -> Path:
         folder = paths.figures_dir(model_name)
     path = folder / f"{name}.png"
     fig.savefig(path, metadata={"Software": None})
+    fig.savefig(path.with_suffix(".svg"), metadata={"Date": None, "Creator": None})
     return path

@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from lib import hooks, metrics
+from lib import hooks, metrics, repro
 from lib.models import Loaded
 
 HOOK_POINT = "input of the MLP output projection (act(gate)*up for gated MLPs; TransformerLens mlp.hook_post)"
@@ -402,11 +402,10 @@ def deactivation_runs(lm: Loaded, model_name: str, tests: TestSet, sets: dict[st
     """Per-prompt recall on ``tests`` with each neuron set switched off (plus, with ``baseline``, the
     unedited model as condition 'none'): long table with columns relation, continuation, correct,
     rank, logprob, condition, item (the prompt's index in ``tests``)."""
-    from tqdm.auto import tqdm
 
     out = []
     conds = ([("none", None)] if baseline else []) + list(sets.items())
-    for name, off in tqdm(conds, desc="conditions", disable=not progress):
+    for name, off in repro.bar(conds, desc="conditions", progress=progress):
         df = recall(lm, model_name, tests, off=off, **kw)
         out.append(df.assign(condition=name, item=np.arange(len(df))))
     return pd.concat(out, ignore_index=True)

@@ -1,4 +1,5 @@
-"""Determinism in one call: seeds and a fixed thread count (notebook outputs must not drift)."""
+"""Determinism in one call: seeds and a fixed thread count (notebook outputs must not drift);
+and one switch for progress bars (on when you run a notebook yourself, off in stored outputs)."""
 from __future__ import annotations
 
 import os
@@ -36,3 +37,29 @@ def env_threads(default: int = 2) -> int:
     if n <= 0:
         raise ValueError(f"COMPENDIUM_THREADS must be a positive integer (torch's CPU threads), got {raw!r}")
     return n
+
+
+# Progress bars: shown in interactive runs; the runner, `make reproduce` and nbval set
+# COMPENDIUM_PROGRESS=0 (see quiet_env), so executed notebooks store no bar output.
+PROGRESS_ENV = "COMPENDIUM_PROGRESS"
+_OFF = {"0", "false", "no", "off"}
+
+
+def progress_on() -> bool:
+    """False when COMPENDIUM_PROGRESS is 0 / false / no / off; true otherwise (unset included)."""
+    raw = os.environ.get(PROGRESS_ENV, "").strip().lower()
+    if raw in _OFF or raw in {"", "1", "true", "yes", "on"}:
+        return raw not in _OFF
+    raise ValueError(f"{PROGRESS_ENV} must be 0 or 1 (progress bars off or on), got {raw!r}")
+
+
+def quiet_env() -> dict[str, str]:
+    """Environment for non-interactive executions: lib's bars and transformers' / the hub's bars off."""
+    return {PROGRESS_ENV: "0", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+def bar(iterable=None, *, progress: bool = True, **kwargs):
+    """tqdm.auto's bar, shown only when ``progress`` and COMPENDIUM_PROGRESS allow it."""
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, disable=not (progress and progress_on()), **kwargs)

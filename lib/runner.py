@@ -33,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-from lib import paths
+from lib import paths, repro
 from lib.cache import atomic_write_text
 
 NUMBERED = re.compile(r"^\d\d_[a-z0-9_]+\.ipynb$")
@@ -118,10 +118,10 @@ def run(notebook: Path, model_name: str | None = None, extra: dict | None = None
         cmd += ["-f", str(pf)]
     for k, v in (extra or {}).items():
         cmd += ["-p", k, str(v)]
-    env = None
+    env = {**os.environ, **repro.quiet_env()}  # stored outputs carry no progress bars
     device_map = device_map or params_settings(model_name).get("device_map")
     if device_map:
-        env = {**os.environ, "COMPENDIUM_DEVICE_MAP": str(device_map)}
+        env["COMPENDIUM_DEVICE_MAP"] = str(device_map)
     install_kernel_config(quiet=True)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env)
@@ -420,7 +420,7 @@ def _stability_runs(notebooks: list[Path], threads: tuple[int, ...], fresh_cache
     for nb in notebooks:
         runs: dict[int, Path | str] = {}
         for n in threads:
-            env = {**os.environ, "COMPENDIUM_THREADS": str(n), "PYTHONPATH": os.pathsep.join(
+            env = {**os.environ, **repro.quiet_env(), "COMPENDIUM_THREADS": str(n), "PYTHONPATH": os.pathsep.join(
                 [str(box)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
             env.setdefault("HF_HUB_OFFLINE", "1")
             env["COMPENDIUM_CACHE"] = str(paths.CACHE)

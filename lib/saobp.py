@@ -39,7 +39,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from lib import hooks, metrics, models
+from lib import hooks, metrics, models, repro
 
 COLLAPSE_THRESHOLD = 0.1  # a head is "collapsed" when its mean normalised entropy is below this
 
@@ -259,7 +259,6 @@ def batches(enc: dict, batch_size: int):
 def attention_stats(lm: models.Loaded, enc: dict, batch_size: int = 16, progress: bool = False,
                     desc: str = "attention", keep_sequences: bool = False) -> AttentionStats:
     """Stream :class:`AttentionStats` over encoded inputs (labels are dropped; no gradients)."""
-    from tqdm.auto import tqdm
 
     stats = AttentionStats(lm.info.n_layers, lm.info.n_heads, keep_sequences)
     model = lm.model
@@ -269,7 +268,8 @@ def attention_stats(lm: models.Loaded, enc: dict, batch_size: int = 16, progress
     n = len(inputs["input_ids"])
     try:
         with active(lm, capture=stats), torch.no_grad():
-            for b in tqdm(list(batches(inputs, batch_size)), desc=desc, disable=not progress, total=math.ceil(n / batch_size)):
+            for b in repro.bar(list(batches(inputs, batch_size)), desc=desc, progress=progress,
+                               total=math.ceil(n / batch_size)):
                 model(**{k: v.to(lm.device) for k, v in b.items()}, **_no_cache(lm))
     finally:
         model.train(was)
@@ -416,7 +416,6 @@ def train(lm: models.Loaded, enc: dict, steps: int, batch_size: int = 32, lr: fl
     """AdamW on random mini-batches (seeded) of ``enc`` (must hold ``labels``), through :func:`active`.
 
     J of an attached SAOBP gets its own learning rate ``j_lr`` (it would barely move at the model's)."""
-    from tqdm.auto import tqdm
 
     if not torch.is_grad_enabled():
         raise RuntimeError("training needs autograd: call repro.setup(seed, grad=True) first")
@@ -432,7 +431,7 @@ def train(lm: models.Loaded, enc: dict, steps: int, batch_size: int = 32, lr: fl
     model.train()
     t0 = time.perf_counter()
     with active(lm):
-        for _ in tqdm(range(steps), desc=desc, disable=not progress):
+        for _ in repro.bar(range(steps), desc=desc, progress=progress):
             idx = torch.randint(0, n, (batch_size,), generator=gen)
             batch = {k: v.to(lm.device) for k, v in trim({k: v[idx] for k, v in enc.items()}).items()}
             loss = model(**batch, **_no_cache(lm)).loss

@@ -90,3 +90,37 @@ def test_generation_refuses_encoders():
     from lib import models
     with pytest.raises(ValueError, match="encoder"):
         metrics.generate(models.tiny_random("bert"), ["x"])
+
+
+def test_perplexity_bar_total_is_the_windows_scored(tiny_decoder, monkeypatch):
+    """The bar's total is the number of windows actually scored (it froze at 6/8 when the loop stopped early)."""
+    from lib import repro
+
+    seen = {}
+
+    def recording_bar(iterable, **kwargs):
+        items = list(iterable)
+        seen["total"], seen["done"] = len(items), 0
+        for x in items:
+            seen["done"] += 1
+            yield x
+
+    monkeypatch.setattr(repro, "bar", recording_bar)
+    text = " ".join(["the cat sat on the mat"] * 10)
+    metrics.perplexity(tiny_decoder, [text], window=16, stride=4)
+    assert seen["total"] == seen["done"] > 1
+
+
+def test_progress_switch(monkeypatch):
+    from lib import repro
+
+    monkeypatch.delenv(repro.PROGRESS_ENV, raising=False)
+    assert repro.progress_on() and not repro.bar(range(2)).disable
+    assert repro.bar(range(2), progress=False).disable
+    for off in ("0", "false", "OFF"):
+        monkeypatch.setenv(repro.PROGRESS_ENV, off)
+        assert not repro.progress_on() and repro.bar(range(2)).disable
+    monkeypatch.setenv(repro.PROGRESS_ENV, "maybe")
+    with pytest.raises(ValueError, match="COMPENDIUM_PROGRESS"):
+        repro.progress_on()
+    assert repro.quiet_env()[repro.PROGRESS_ENV] == "0"

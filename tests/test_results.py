@@ -79,6 +79,12 @@ def test_figures_are_saved_per_model(tmp_project):
     ax.plot([0, 1])
     p = plotting.save(fig, "org/model", "00_line")
     assert p == tmp_project / "figures" / "org--model" / "00_line.png" and p.stat().st_size > 0
+    svg = p.with_suffix(".svg").read_text()
+    assert svg.startswith("<?xml") and "<dc:date>" not in svg  # an SVG beside the PNG, no date in it
+    first = p.read_bytes(), svg
+    plotting.save(fig, "org/model", "00_line")
+    assert (p.read_bytes(), p.with_suffix(".svg").read_text()) == first  # same figure, same bytes
+    assert plt.rcParams["figure.constrained_layout.use"]
     with pytest.raises(ValueError):
         plotting.save(fig, "m", "a/b")
 

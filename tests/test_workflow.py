@@ -447,3 +447,30 @@ def test_kernel_config_drops_only_the_tcp_warning(tmp_path, caplog):
                            "--log-level", "WARNING", "--no-progress-bar"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "without encryption" not in proc.stdout + proc.stderr
+
+
+BAR = re.compile(r"\d+%\|.*\|\s*\d+/\d+|it/s\]|s/it\]")
+
+
+def test_committed_notebooks_store_no_progress_bars():
+    """Stored outputs carry no tqdm / transformers bars (executions run with COMPENDIUM_PROGRESS=0)."""
+    found = []
+    for nb_path in runner.numbered_notebooks():
+        nb = nbformat.read(nb_path, as_version=4)
+        for i, cell in enumerate(nb.cells):
+            for out in cell.get("outputs", []):
+                if out.get("name") == "stderr" and BAR.search(out.get("text", "")):
+                    found.append(f"{nb_path.name} cell {i}")
+    assert not found, f"progress bars stored in: {found}"
+
+
+def test_executions_turn_bars_off():
+    """The runner, nbval (make test-notebooks) and the stability check run with bars off."""
+    from lib import repro
+
+    assert repro.quiet_env() == {"COMPENDIUM_PROGRESS": "0", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    make = (paths.ROOT / "Makefile").read_text()
+    recipe = make.split("test-notebooks:", 1)[1].split("\n\n", 1)[0]
+    assert "COMPENDIUM_PROGRESS=0" in recipe and "HF_HUB_DISABLE_PROGRESS_BARS=1" in recipe
+    src = Path(runner.__file__).read_text()
+    assert src.count("repro.quiet_env()") >= 2  # lib.runner run and lib.runner stability

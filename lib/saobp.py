@@ -1,47 +1,67 @@
-"""SAOBP: self-attention refinement by one step of belief propagation, and attention statistics.
+"""SAOBP and GTD: our RECONSTRUCTION of the refinement and its statistics (paper B, notebooks 07-10).
 
-A *reconstruction* of Lee et al. (Findings of EMNLP 2025, arXiv 2509.07324) from its abstract;
-the authors' code was not available. Per layer and head, with masked logits S [b, h, q, k] and
-A = softmax(S) over the valid keys:
+This module is the one place where the reconstructed equations live. They are *not* the authors'
+method: neither the body nor the code of Lee et al., *Mitigating Attention Localization in Small Scale:
+Self-Attention Refinement via One-step Belief Propagation* (Findings of EMNLP 2025, arXiv 2509.07324,
+code ``nakyungLee20/SAOBP``) could be reached (``../shared/papers/saobp.md``). What we built on:
 
-* Tokens are nodes; node i holds "which token i attends to" with unary belief A_i. A Potts
-  potential psi(x_i = j, x_k = l) = exp(J [j == l]) with J < 0 is repulsive.
-* One message step from the unary beliefs: m_{k->i}(j) = sum_l psi(j, l) A_kl = 1 + g A_kj,
-  g = exp(J) - 1 in (-1, 0).
-* Multi-hop term M_ij = sum_{k != i} A_ik log(1 + g A_kj)  (~ g (A~ A)_ij, A~ = A without diagonal),
-  where k runs over valid (real, unmasked) tokens only.
-* Refined attention A' = softmax(S + M); masked keys stay masked, causal models stay causal
-  (A_ik A_kj is non-zero only for j <= k <= i).
+* the abstract: attention "localizes"; SAOBP refines self-attention by *one step of belief
+  propagation* that injects multi-hop relations; *Global Token Dependency* (GTD) measures the
+  relative contribution of multi-hop links in the attention graph; SAOBP prevents entropy collapse in
+  deeper layers and keeps GTD at task-appropriate levels;
+* one unverified third-party summary: the BP step uses a *repulsive Potts prior*.
+
+Everything below that is more specific than those sentences is our choice. Per layer and head, with
+masked logits S [b, h, q, k] and A = softmax(S) over the valid keys:
+
+* (choice) Tokens are nodes; node i holds "which token i attends to" with unary belief A_i. A Potts
+  potential psi(x_i = j, x_k = l) = exp(J [j == l]); J < 0 is repulsive (the summary's prior).
+* (choice) One message step from the unary beliefs, unnormalised: m_{k->i}(j) = sum_l psi(j, l) A_kl
+  = 1 + g A_kj, g = exp(J) - 1 in (-1, 0) for J < 0.
+* (choice) The multi-hop term M_ij = sum_{k != i} A_ik log(1 + g A_kj) (~ g (A~ A)_ij, A~ = A without
+  its diagonal), k over valid (real, unmasked) tokens only: each message weighted by how much i
+  attends to k, added in log space.
+* (choice) Refined attention A' = softmax(S + M); masked keys stay masked, causal models stay causal
+  (A_ik A_kj is non-zero only for j <= k <= i). Since log(1 + g A_kj) lies in [J, 0], a repulsive J
+  lowers the logits of keys that the tokens i attends to already attend to strongly.
+* (choice) J per layer and head. By default (``mode="repulsive"``) J = -softplus(theta) with theta
+  the trained parameter, so J < 0 by construction, whatever the optimiser does; ``mode="free"`` is the
+  earlier unconstrained variant (J = theta, either sign; J = 0 is exactly the plain model, J > 0 an
+  attractive prior). J = 0 cannot be represented in the repulsive mode: the plain model is the model
+  without SAOBP attached.
+* (choice) GTD, defined by the abstract only in words, in two variants: GTD_2hop(A) =
+  mean_i sum_j max(0, (A^2)_ij - A_ij), the mass two hops reach beyond one (0 for identity, uniform
+  or single-hub attention, 1 per row for a chain), and, for SAOBP models, GTD_msg =
+  ||M||_F / (||S_c||_F + ||M||_F), the message's share of the refined logits (S_c: S centred over
+  each row's valid keys).
+* (choice) A head is "collapsed" when its mean normalised entropy is below ``COLLAPSE_THRESHOLD``.
 
 It plugs into :func:`lib.hooks.attention` as the ``refine`` callback, so it works for every family
 the hook supports. :class:`SAOBP` keeps J per layer and head as a parameter attached to the model
-(``model.saobp``), so a learnable J trains and is saved with it. J = 0 (g = 0) is the plain model.
+(``model.saobp``), so a learnable J trains and is saved with it.
 
 Statistics streamed per layer (:class:`AttentionStats`): attention entropy (raw and normalised, from
-:func:`lib.metrics.attention_entropy`), the Global Token Dependency GTD_2hop(A) =
-mean_i sum_j max(0, (A^2)_ij - A_ij) (0 for identity, uniform or single-hub attention) and, for
-SAOBP models, GTD_msg = ||M||_F / (||S_c||_F + ||M||_F) with S_c the row-centred valid logits.
+:func:`lib.metrics.attention_entropy`), GTD_2hop and (with SAOBP) GTD_msg.
 
-The second half is a small train / evaluate toolkit for models trained from scratch (compact
-vocabulary, BERT or Llama configs, a seeded AdamW loop) and a synthetic two-hop QA task.
+The small models trained from scratch, their data and their training loop are in :mod:`lib.scratch`.
 """
 from __future__ import annotations
 
 import contextlib
 import math
-import random
-import time
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 import pandas as pd
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from lib import hooks, metrics, models, repro
 
 COLLAPSE_THRESHOLD = 0.1  # a head is "collapsed" when its mean normalised entropy is below this
+J_MODES = ("repulsive", "free")  # J = -softplus(theta) (J < 0 by construction), or J = theta (the earlier variant)
+DEFAULT_J = -1.0  # initial J when none is given: a moderate repulsive prior (g = exp(-1) - 1 = -0.63)
 
 
 # ----------------------------------------------------------------------------- the refinement
@@ -138,20 +158,59 @@ def gtd_2hop(probs: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Te
     return (extra * q).sum(-1) / q.sum(-1).clamp_min(1)
 
 
+def _softplus_inv(x: torch.Tensor) -> torch.Tensor:
+    """theta with softplus(theta) = x, for x > 0 (stable for small and large x; float64 inside)."""
+    x = x.double()
+    return (x + torch.log(-torch.expm1(-x))).float()
+
+
+def initial_theta(J, n_layers: int, n_heads: int, mode: str = "repulsive") -> torch.Tensor:
+    """The parameter theta [n_layers, n_heads] that gives the initial ``J`` (a number, one per head, or
+    [n_layers, n_heads]) in ``mode``. The repulsive mode needs every J < 0; ``mode="free"`` takes any
+    finite J."""
+    if mode not in J_MODES:
+        raise ValueError(f"unknown SAOBP mode {mode!r}: use one of {', '.join(J_MODES)}")
+    J = torch.as_tensor(J, dtype=torch.float64).detach().cpu()
+    try:
+        J = J.expand(n_layers, n_heads).clone()
+    except RuntimeError:
+        raise ValueError(f"J must be a number, one value per head ({n_heads}) or [n_layers, n_heads] = "
+                         f"[{n_layers}, {n_heads}], got shape {tuple(J.shape)}") from None
+    if not torch.isfinite(J).all():
+        raise ValueError(f"J must be finite, got {J.flatten()[~torch.isfinite(J.flatten())][0].item()}")
+    if mode == "free":
+        return J.float()
+    if (J >= 0).any():
+        raise ValueError(f"mode='repulsive' needs J < 0 (J = -softplus(theta)), got J = {J.max().item():g}; "
+                         "J = 0 is the plain model: do not attach SAOBP, or use mode='free' for J >= 0")
+    return _softplus_inv(-J)
+
+
 class SAOBP(nn.Module):
     """J per layer and head ([n_layers, n_heads]); call it as the ``refine`` of :func:`hooks.attention`.
 
-    ``learnable=False`` keeps J fixed (a sweep). ``observer(scores, M, valid, layer)`` if set sees
-    every message (e.g. :class:`AttentionStats` for GTD_msg)."""
+    The trained parameter is ``theta``; :attr:`J` is the effective J: -softplus(theta) with
+    ``mode="repulsive"`` (the default, J < 0 by construction) or theta itself with ``mode="free"`` (the
+    earlier unconstrained variant). ``learnable=False`` keeps J fixed (a sweep). ``observer(scores, M,
+    valid, layer)`` if set sees every message (e.g. :class:`AttentionStats` for GTD_msg)."""
 
-    def __init__(self, n_layers: int, n_heads: int, J: float = 0.0, learnable: bool = True):
+    def __init__(self, n_layers: int, n_heads: int, J=DEFAULT_J, learnable: bool = True, mode: str = "repulsive"):
         super().__init__()
-        self.J = nn.Parameter(torch.full((n_layers, n_heads), float(J)), requires_grad=learnable)
+        self.mode = mode
+        self.theta = nn.Parameter(initial_theta(J, n_layers, n_heads, mode), requires_grad=learnable)
         self.observer: Callable | None = None
+
+    @property
+    def J(self) -> torch.Tensor:
+        """The effective J [n_layers, n_heads] (differentiable in theta)."""
+        return -F.softplus(self.theta) if self.mode == "repulsive" else self.theta
 
     @property
     def g(self) -> torch.Tensor:
         return torch.expm1(self.J.detach())
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode!r}, shape={tuple(self.theta.shape)}, learnable={self.theta.requires_grad}"
 
     def forward(self, scores, valid, layer: int):
         L = int(layer)
@@ -161,10 +220,14 @@ class SAOBP(nn.Module):
         return scores + M.to(scores.dtype)
 
 
-def attach(lm: models.Loaded, J: float = 0.0, learnable: bool = True) -> SAOBP:
-    """Attach an :class:`SAOBP` as ``lm.model.saobp`` (a submodule: trained and saved with the model)."""
+def attach(lm: models.Loaded, J=DEFAULT_J, learnable: bool = True, mode: str = "repulsive") -> SAOBP:
+    """Attach an :class:`SAOBP` as ``lm.model.saobp`` (a submodule: trained and saved with the model).
+
+    J: the initial J (a number, one per head, or [n_layers, n_heads]); with ``mode="repulsive"`` every
+    value must be < 0 (ValueError otherwise: the plain model is the model without SAOBP, and
+    ``mode="free"`` takes J >= 0)."""
     info = lm.info
-    mod = SAOBP(info.n_layers, info.n_heads, J, learnable).to(next(lm.model.parameters()).device)
+    mod = SAOBP(info.n_layers, info.n_heads, J, learnable, mode).to(next(lm.model.parameters()).device)
     lm.model.saobp = mod
     return mod
 
@@ -251,6 +314,7 @@ def trim(batch: dict) -> dict:
 
 
 def batches(enc: dict, batch_size: int):
+    """Consecutive trimmed mini-batches of an encoding (a dict of equally long tensors)."""
     n = len(next(iter(enc.values())))
     for i in range(0, n, batch_size):
         yield trim({k: v[i:i + batch_size] for k, v in enc.items()})
@@ -270,290 +334,12 @@ def attention_stats(lm: models.Loaded, enc: dict, batch_size: int = 16, progress
         with active(lm, capture=stats), torch.no_grad():
             for b in repro.bar(list(batches(inputs, batch_size)), desc=desc, progress=progress,
                                total=math.ceil(n / batch_size)):
-                model(**{k: v.to(lm.device) for k, v in b.items()}, **_no_cache(lm))
+                model(**{k: v.to(lm.device) for k, v in b.items()}, **no_cache(lm))
     finally:
         model.train(was)
     return stats
 
 
-def _no_cache(lm):
+def no_cache(lm) -> dict:
+    """Forward keyword arguments for full (uncached) passes: SAOBP needs the square attention matrix."""
     return {"use_cache": False} if lm.info.is_causal else {}
-
-
-# ----------------------------------------------------------------------------- synthetic two-hop QA
-
-NAMES = ["anna", "ben", "carl", "dora", "emil", "fay", "gus", "hana", "ivan", "jane", "karl", "lena",
-         "max", "nina", "otto", "paul", "rosa", "sam", "tom", "uma", "vera", "walt", "yuri", "zoe"]
-COLOURS = ["red", "blue", "green", "black", "white", "brown", "pink", "gray"]
-
-
-def synthetic_multihop(n: int, seed: int = 0, chains: int = 3) -> pd.DataFrame:
-    """A synthetic two-hop QA task as a classification DataFrame (text_a, text_b=None, label).
-
-    Each example holds ``chains`` chains "X knows Y . Y likes C ." (facts shuffled) and asks
-    "what does the friend of X like ?"; the label is the colour C of the queried chain (8 classes).
-    One hop (X -> Y) is never enough: the colour is only linked to the intermediate Y."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        people = rng.sample(NAMES, 2 * chains)
-        cols = rng.sample(range(len(COLOURS)), chains)
-        facts = []
-        for c in range(chains):
-            x, y = people[2 * c], people[2 * c + 1]
-            facts += [f"{x} knows {y} .", f"{y} likes {COLOURS[cols[c]]} ."]
-        rng.shuffle(facts)
-        q = rng.randrange(chains)
-        rows.append({"text_a": " ".join(facts) + f" what does the friend of {people[2 * q]} like ?",
-                     "text_b": None, "label": cols[q]})
-    return pd.DataFrame(rows)
-
-
-# ----------------------------------------------------------------------------- small models from scratch
-
-
-@dataclass
-class Vocab:
-    """A compact vocabulary: the ``size`` most frequent token ids of a corpus plus special tokens."""
-    mapping: torch.Tensor  # [original vocab] -> new id (unk for the rest)
-    size: int
-    unk: int
-    pad: int
-
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.mapping[ids]
-
-
-def compact_vocab(tokenizer, id_lists: Sequence[Sequence[int]], size: int) -> Vocab:
-    """Keep the tokenizer's special tokens and the ``size`` most frequent ids in ``id_lists``."""
-    counts = np.bincount(np.concatenate([np.asarray(x, dtype=np.int64) for x in id_lists]), minlength=len(tokenizer))
-    special = sorted({int(i) for i in tokenizer.all_special_ids})
-    order = [int(i) for i in np.argsort(-counts, kind="stable") if counts[i] > 0 and int(i) not in special][:size]
-    keep = special + order
-    unk_old = tokenizer.unk_token_id
-    unk = keep.index(unk_old) if unk_old in keep else len(keep)
-    n = len(keep) + (0 if unk_old in keep else 1)
-    mapping = torch.full((len(tokenizer),), unk, dtype=torch.long)
-    mapping[torch.tensor(keep)] = torch.arange(len(keep))
-    pad_old = tokenizer.pad_token_id
-    return Vocab(mapping, n, unk, int(mapping[pad_old]) if pad_old is not None else unk)
-
-
-SIZES = {"tiny": (2, 128), "small": (4, 256), "mini": (1, 64)}  # name -> (layers, d_model)
-
-
-def small_model(family: str, n_layers: int, d_model: int, vocab: Vocab, tokenizer, num_labels: int | None = None,
-                seed: int = 0, max_positions: int = 128, head_dim: int = 32, saobp: str | None = None,
-                J: float = 0.0) -> models.Loaded:
-    """A randomly initialised BERT classifier (``num_labels``) or Llama LM (``num_labels=None``).
-
-    saobp: None (plain), 'learnable' (J per head, starts at ``J``) or 'fixed' (J held at ``J``).
-    """
-    import transformers as tf
-
-    if family not in ("bert", "llama"):
-        raise ValueError(f"small_model family must be 'bert' or 'llama', got {family!r}")
-    if saobp not in (None, "learnable", "fixed"):
-        raise ValueError(f"saobp must be None, 'learnable' or 'fixed', got {saobp!r}")
-    heads = max(1, d_model // head_dim)
-    common = dict(vocab_size=vocab.size, hidden_size=d_model, num_hidden_layers=n_layers,
-                  num_attention_heads=heads, intermediate_size=4 * d_model, max_position_embeddings=max_positions,
-                  pad_token_id=vocab.pad)
-    torch.manual_seed(seed)
-    if family == "bert":
-        cfg = tf.BertConfig(num_labels=num_labels or 2, **common)
-        cfg._attn_implementation = "eager"
-        model = tf.BertForSequenceClassification(cfg)
-        kind = "encoder"
-    else:
-        cfg = tf.LlamaConfig(num_key_value_heads=heads, tie_word_embeddings=True, **common)
-        cfg._attn_implementation = "eager"
-        model = tf.LlamaForCausalLM(cfg)
-        kind = "causal"
-    name = f"scratch-{family}-{n_layers}x{d_model}"
-    spec = models.ModelSpec(name, name, kind, "random")
-    lm = models.Loaded(model, tokenizer, models.info_from_model(model, name), spec, "cpu", None)
-    if saobp is not None:
-        attach(lm, J=J, learnable=saobp == "learnable")
-    return lm
-
-
-def encode_classification(tokenizer, df: pd.DataFrame, max_length: int, vocab: Vocab | None = None) -> dict:
-    """Tokenise (text_a[, text_b]) pairs with right padding and truncation; labels included."""
-    a = df["text_a"].astype(str).tolist()
-    b = None if df["text_b"].isna().all() else df["text_b"].fillna("").astype(str).tolist()
-    enc = tokenizer(a, b, padding="max_length", truncation=True, max_length=max_length, return_tensors="pt")
-    out = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
-    if "token_type_ids" in enc:
-        out["token_type_ids"] = enc["token_type_ids"]
-    if vocab is not None:
-        out["input_ids"] = vocab(out["input_ids"])
-    out["labels"] = torch.tensor(df["label"].to_numpy(), dtype=torch.long)
-    return out
-
-
-def encode_lm(tokenizer, texts: Sequence[str], seq_len: int, vocab: Vocab | None = None) -> dict:
-    """Concatenate texts (EOS between) and cut into unpadded chunks of ``seq_len`` tokens."""
-    ids = []
-    eos = tokenizer.eos_token_id
-    for t in texts:
-        ids += tokenizer(t, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
-    n = len(ids) // seq_len
-    x = torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
-    if vocab is not None:
-        x = vocab(x)
-    return {"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()}
-
-
-@dataclass
-class TrainLog:
-    losses: list[float] = field(default_factory=list)
-    seconds_per_step: float = float("nan")
-
-
-def train(lm: models.Loaded, enc: dict, steps: int, batch_size: int = 32, lr: float = 1e-3,
-          j_lr: float = 0.05, seed: int = 0, progress: bool = False, desc: str = "train") -> TrainLog:
-    """AdamW on random mini-batches (seeded) of ``enc`` (must hold ``labels``), through :func:`active`.
-
-    J of an attached SAOBP gets its own learning rate ``j_lr`` (it would barely move at the model's)."""
-
-    if not torch.is_grad_enabled():
-        raise RuntimeError("training needs autograd: call repro.setup(seed, grad=True) first")
-    model = lm.model
-    j_params = [p for n, p in model.named_parameters() if n.startswith("saobp.") and p.requires_grad]
-    ids = {id(p) for p in j_params}
-    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
-    groups = [{"params": rest, "lr": lr}] + ([{"params": j_params, "lr": j_lr, "weight_decay": 0.0}] if j_params else [])
-    opt = torch.optim.AdamW(groups, weight_decay=0.01)
-    gen = torch.Generator().manual_seed(seed)
-    n = len(enc["input_ids"])
-    log = TrainLog()
-    model.train()
-    t0 = time.perf_counter()
-    with active(lm):
-        for _ in repro.bar(range(steps), desc=desc, progress=progress):
-            idx = torch.randint(0, n, (batch_size,), generator=gen)
-            batch = {k: v.to(lm.device) for k, v in trim({k: v[idx] for k, v in enc.items()}).items()}
-            loss = model(**batch, **_no_cache(lm)).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            log.losses.append(loss.item())
-    log.seconds_per_step = (time.perf_counter() - t0) / max(1, steps)
-    model.eval()
-    return log
-
-
-def accuracy_or_perplexity(lm: models.Loaded, enc: dict, batch_size: int = 64) -> dict:
-    """A trained model on encoded dev data: {'accuracy'} for a classifier (logits [b, labels]), or
-    {'loss', 'perplexity'} (mean next-token loss) for a causal LM."""
-    model = lm.model
-    model.eval()
-    correct = total = 0
-    nll = 0.0
-    with active(lm), torch.no_grad():
-        for b in batches(enc, batch_size):
-            b = {k: v.to(lm.device) for k, v in b.items()}
-            if lm.info.is_causal:
-                out = model(**b, use_cache=False)
-                logits = out.logits[:, :-1].float()
-                tgt = b["labels"][:, 1:]
-                nll += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
-                                                               reduction="sum"))
-                total += tgt.numel()
-            else:
-                labels = b.pop("labels")
-                pred = model(**b).logits.argmax(-1)
-                correct += int((pred == labels).sum())
-                total += len(labels)
-    if lm.info.is_causal:
-        return {"loss": nll / total, "perplexity": math.exp(nll / total)}
-    return {"accuracy": correct / total}
-
-
-# ----------------------------------------------------------------------------- one cached experiment
-
-SCRATCH_TASKS = ("SST-2", "CoLA", "RTE", "MRPC", "multihop", "LM")
-
-
-def task_source(task: str):
-    """The raw (train, dev) data of a from-scratch task. GLUE: the 1,000-row train sample and the GLUE
-    dev set (DataFrames); 'multihop': 1,000 / 500 synthetic examples; 'LM': Wikipedia prompt+gold text
-    of rows 0..1499 for training and the gold text of rows 1500.. for evaluation (lists of texts)."""
-    from lib import data
-
-    if task not in SCRATCH_TASKS:
-        raise ValueError(f"unknown task {task!r}: use one of {', '.join(SCRATCH_TASKS)}")
-    if task == "LM":
-        rows = data.wiki_samples()
-        return [r["prompt"] + " " + r["gold"] for r in rows[:1500]], [r["gold"] for r in rows[1500:]]
-    if task == "multihop":
-        return synthetic_multihop(1000, seed=1000), synthetic_multihop(500, seed=2000)
-    return data.glue(task, "train"), data.glue(task, "dev")
-
-
-def task_data(task: str, tokenizer, max_length: int, vocab_size: int, n_eval: int | None = None, seed: int = 0):
-    """(train, dev, vocab) encodings of :func:`task_source` for a from-scratch run (LM texts in
-    chunks of ``max_length``)."""
-    if task == "LM":
-        train_txt, dev_txt = task_source(task)
-        raw = encode_lm(tokenizer, train_txt, max_length)
-        vocab = compact_vocab(tokenizer, raw["input_ids"].tolist(), vocab_size)
-        tr, dev = encode_lm(tokenizer, train_txt, max_length, vocab), encode_lm(tokenizer, dev_txt, max_length, vocab)
-    else:
-        tr_df, dev_df = task_source(task)
-        raw = encode_classification(tokenizer, tr_df, max_length)
-        vocab = compact_vocab(tokenizer, raw["input_ids"].tolist(), vocab_size)
-        tr, dev = encode_classification(tokenizer, tr_df, max_length, vocab), encode_classification(tokenizer, dev_df, max_length, vocab)
-    if n_eval is not None and n_eval < len(dev["input_ids"]):
-        idx = torch.randperm(len(dev["input_ids"]), generator=torch.Generator().manual_seed(seed))[:n_eval].sort().values
-        dev = {k: v[idx] for k, v in dev.items()}
-    return tr, dev, vocab
-
-
-def scratch_tokenizer(task: str, encoder: str = "minilm-l6", decoder: str = "smollm2-135m"):
-    """The (embedded) encoder's tokenizer for the BERT classifiers, the decoder's for the Llama LM."""
-    import transformers as tf
-
-    name = decoder if task == "LM" else encoder
-    folder = models.prepare_embedded(name)
-    return models._prepare_tokenizer(tf.AutoTokenizer.from_pretrained(folder), "causal" if task == "LM" else "encoder")
-
-
-def scratch_run(task: str, size: str, seed: int, variant: str, steps: int, batch_size: int = 16,
-                max_length: int = 40, lr: float = 1e-3, j_lr: float = 0.05, J: float = 0.0, vocab_size: int = 3000,
-                n_stats: int = 64, n_eval: int | None = None, progress: bool = False,
-                encoder: str = "minilm-l6", decoder: str = "smollm2-135m") -> dict:
-    """Train a from-scratch model (BERT classifier, or Llama LM for task 'LM') of ``size`` (see
-    :data:`SIZES`) with ``variant`` 'baseline', 'saobp' (learnable J from ``J``) or 'saobp-fixed';
-    evaluate on dev and measure attention statistics on ``n_stats`` dev examples. Cached (lib.cache)."""
-    from lib import cache
-
-    if size not in SIZES:
-        raise ValueError(f"unknown size {size!r}: use one of {', '.join(SIZES)}")
-    modes = {"baseline": None, "saobp": "learnable", "saobp-fixed": "fixed"}
-    if variant not in modes:
-        raise ValueError(f"unknown variant {variant!r}: use one of {', '.join(modes)}")
-    params = dict(task=task, size=SIZES[size], seed=seed, variant=variant, steps=steps, batch_size=batch_size,
-                  max_length=max_length, lr=lr, j_lr=j_lr, J=J, vocab_size=vocab_size, n_stats=n_stats,
-                  n_eval=n_eval, tokenizer=decoder if task == "LM" else encoder, version=1,
-                  data=cache.content_hash(task_source(task)))  # edited train or dev rows: trained again
-
-    def build():
-        tok = scratch_tokenizer(task, encoder, decoder)
-        tr, dev, vocab = task_data(task, tok, max_length, vocab_size, n_eval)
-        n_labels = None if task == "LM" else int(max(int(tr["labels"].max()), int(dev["labels"].max())) + 1)
-        L, d = SIZES[size]
-        lm = small_model("llama" if task == "LM" else "bert", L, d, vocab, tok, num_labels=n_labels, seed=seed,
-                         max_positions=max(128, max_length), saobp=modes[variant], J=J)
-        with torch.enable_grad():
-            log = train(lm, tr, steps, batch_size, lr, j_lr, seed, progress, desc=f"{task} {size} {variant} s{seed}")
-        scores = accuracy_or_perplexity(lm, dev)
-        sub = {k: v[:n_stats] for k, v in dev.items()}
-        st = attention_stats(lm, sub, batch_size=32)
-        mod = get(lm)
-        return {"params": params, "metrics": scores, "seconds_per_step": log.seconds_per_step, "losses": log.losses,
-                "table": st.table(), "per_head": {m: st.per_head(m) for m in AttentionStats.METRICS},
-                "J": None if mod is None else mod.J.detach().clone()}
-
-    return cache.get_or_build("saobp-scratch", "scratch", params, build)

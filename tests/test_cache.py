@@ -13,7 +13,8 @@ import pandas as pd
 import pytest
 import torch
 
-from lib import cache, data, dpo, dpo_neurons, models, paths, saobp
+from lib import cache, data, dpo, dpo_neurons, models, paths
+from lib import scratch as lib_scratch  # the fixture below is called scratch
 
 ROOT_DATA = paths.DATA
 
@@ -169,11 +170,11 @@ def test_preference_pairs_key_holds_the_prompts(pair, scratch, keys):
 
 
 def test_saobp_scratch_run_key_holds_the_task_rows(scratch, keys):
-    saobp.scratch_run("SST-2", "mini", 0, "baseline", steps=1)
+    lib_scratch.scratch_run("SST-2", "mini", 0, "baseline", steps=1)
     tsv = scratch / "data" / "glue" / "SST-2" / "train_sample.tsv"
     lines = tsv.read_text(encoding="utf-8").splitlines(keepends=True)
     lines[1] = "an edited training sentence \t1\n"
     tsv.write_text("".join(lines), encoding="utf-8")
-    saobp.scratch_run("SST-2", "mini", 0, "baseline", steps=1)
+    lib_scratch.scratch_run("SST-2", "mini", 0, "baseline", steps=1)
     (k1, p1), (k2, p2) = keys
     assert k1 == k2 == "saobp-scratch" and p1["data"] != p2["data"]

@@ -1,11 +1,12 @@
-"""SAOBP refinement and attention statistics, checked on tiny random models and by hand."""
+"""SAOBP refinement and attention statistics (lib.saobp) and the training toolkit (lib.scratch), checked on
+tiny random models and by hand."""
 import math
 import re
 
 import pytest
 import torch
 
-from lib import hooks, metrics, models, saobp
+from lib import hooks, metrics, models, saobp, scratch
 
 PAD_TEXTS = ["the cat sat on the mat today", "a b", "hello there my friend"]
 
@@ -34,11 +35,11 @@ def test_zero_J_reproduces_the_plain_model(tiny_fam):
     plain = _logits(tiny_fam, enc)
     with hooks.attention(tiny_fam):
         eager = _logits(tiny_fam, enc)
-    saobp.attach(tiny_fam, J=0.0)
+    saobp.attach(tiny_fam, J=0.0, mode="free")  # J = 0 exists only in the free mode
     try:
         with saobp.active(tiny_fam):
             refined = _logits(tiny_fam, enc)
-        saobp.get(tiny_fam).J.data.fill_(-2.0)
+        saobp.get(tiny_fam).theta.data.fill_(-2.0)
         with saobp.active(tiny_fam):
             changed = _logits(tiny_fam, enc)
     finally:
@@ -151,56 +152,135 @@ def test_attention_stats_match_the_metrics_function(tiny_fam):
 def test_learnable_J_gets_gradients_and_fixed_J_does_not(tiny_fam):
     enc = hooks.encode(tiny_fam, PAD_TEXTS)
     with torch.enable_grad():
-        mod = saobp.attach(tiny_fam, J=0.0, learnable=True)
+        mod = saobp.attach(tiny_fam, J=-1.0, learnable=True)
         try:
             with saobp.active(tiny_fam):
                 out = tiny_fam.model(**enc)[0]
             out.pow(2).mean().backward()
-            assert mod.J.grad is not None and mod.J.grad.abs().sum() > 0
-            assert "saobp.J" in tiny_fam.model.state_dict()
+            assert mod.theta.grad is not None and mod.theta.grad.abs().sum() > 0
+            assert "saobp.theta" in tiny_fam.model.state_dict()
         finally:
             _detach(tiny_fam)
             tiny_fam.model.zero_grad(set_to_none=True)
         fixed = saobp.attach(tiny_fam, J=-1.0, learnable=False)
         try:
-            assert not fixed.J.requires_grad
+            assert not fixed.theta.requires_grad and not fixed.J.requires_grad
         finally:
             _detach(tiny_fam)
 
 
 def test_synthetic_multihop_answer_needs_two_hops():
-    df = saobp.synthetic_multihop(50, seed=3)
+    df = scratch.synthetic_multihop(50, seed=3)
     for text, label in zip(df["text_a"], df["label"]):
         knows = dict(re.findall(r"(\w+) knows (\w+) \.", text))
         likes = dict(re.findall(r"(\w+) likes (\w+) \.", text))
         x = re.search(r"friend of (\w+) like", text).group(1)
-        assert likes[knows[x]] == saobp.COLOURS[label]
+        assert likes[knows[x]] == scratch.COLOURS[label]
         assert x not in likes  # one hop from the queried name reaches no colour
-    assert df.equals(saobp.synthetic_multihop(50, seed=3))
+    assert df.equals(scratch.synthetic_multihop(50, seed=3))
 
 
 def test_small_models_train_and_evaluate():
     tok = models.tiny_random("bert").tokenizer
-    df = saobp.synthetic_multihop(64, seed=0)
-    raw = saobp.encode_classification(tok, df, 40)
-    vocab = saobp.compact_vocab(tok, raw["input_ids"].tolist(), 50)
+    df = scratch.synthetic_multihop(64, seed=0)
+    raw = scratch.encode_classification(tok, df, 40)
+    vocab = scratch.compact_vocab(tok, raw["input_ids"].tolist(), 50)
     assert vocab(raw["input_ids"]).max() < vocab.size and vocab.pad == 0
-    enc = saobp.encode_classification(tok, df, 40, vocab)
-    clf = saobp.small_model("bert", 1, 32, vocab, tok, num_labels=8, saobp="learnable")
+    enc = scratch.encode_classification(tok, df, 40, vocab)
+    clf = scratch.small_model("bert", 1, 32, vocab, tok, num_labels=8, saobp="learnable")
     J0 = clf.model.saobp.J.detach().clone()
     with torch.enable_grad():
-        log = saobp.train(clf, enc, steps=3, batch_size=8, seed=0)
+        log = scratch.train(clf, enc, steps=3, batch_size=8, seed=0)
     assert len(log.losses) == 3 and not torch.equal(J0, clf.model.saobp.J.detach())
-    acc = saobp.accuracy_or_perplexity(clf, enc)["accuracy"]
+    acc = scratch.accuracy_or_perplexity(clf, enc)["accuracy"]
     assert 0.0 <= acc <= 1.0
-    lm_enc = saobp.encode_lm(tok, df["text_a"].tolist()[:20], 16, vocab)
+    lm_enc = scratch.encode_lm(tok, df["text_a"].tolist()[:20], 16, vocab)
     assert lm_enc["input_ids"].shape[1] == 16
-    lm = saobp.small_model("llama", 1, 32, vocab, tok, saobp="fixed", J=-1.0)
+    lm = scratch.small_model("llama", 1, 32, vocab, tok, saobp="fixed", J=-1.0)
     with torch.enable_grad():
-        saobp.train(lm, lm_enc, steps=2, batch_size=4)
-    assert lm.model.saobp.J.detach().eq(-1.0).all()
-    ppl = saobp.accuracy_or_perplexity(lm, lm_enc)["perplexity"]
+        scratch.train(lm, lm_enc, steps=2, batch_size=4)
+    torch.testing.assert_close(lm.model.saobp.J.detach(), torch.full_like(lm.model.saobp.J, -1.0))
+    ppl = scratch.accuracy_or_perplexity(lm, lm_enc)["perplexity"]
     assert 1.0 < ppl < 10 * vocab.size
     with pytest.raises(RuntimeError, match="autograd"):
         with torch.no_grad():
-            saobp.train(lm, lm_enc, steps=1)
+            scratch.train(lm, lm_enc, steps=1)
+
+
+# ----------------------------------------------------------------------------- repulsive by construction
+
+
+def _push_J_up(mod: saobp.SAOBP, steps: int = 50, lr: float = 0.5) -> list[float]:
+    """Adam steps on a loss that rewards a larger J (loss = -sum J); returns the largest J after each."""
+    opt = torch.optim.Adam([mod.theta], lr=lr)
+    top = []
+    with torch.enable_grad():
+        for _ in range(steps):
+            loss = -mod.J.sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            top.append(float(mod.J.detach().max()))
+    return top
+
+
+def test_repulsive_J_stays_negative_when_pushed_up_and_free_J_turns_positive():
+    rep = saobp.SAOBP(2, 3, J=-0.5)
+    assert rep.mode == "repulsive"  # the default
+    torch.testing.assert_close(rep.J.detach(), torch.full((2, 3), -0.5))
+    top = _push_J_up(rep)
+    assert top[-1] > -0.05  # it did move up, towards the plain model ...
+    assert all(t < 0 for t in top) and (rep.J.detach() < 0).all()  # ... and never reached J >= 0
+    free = saobp.SAOBP(2, 3, J=-0.5, mode="free")
+    _push_J_up(free)
+    assert (free.J.detach() > 0).all()  # the unconstrained variant turns attractive
+    assert free.J is free.theta  # free: J is the parameter itself
+
+
+def test_repulsive_J_stays_negative_through_training_a_model():
+    tok = models.tiny_random("bert").tokenizer
+    df = scratch.synthetic_multihop(32, seed=0)
+    raw = scratch.encode_classification(tok, df, 40)
+    vocab = scratch.compact_vocab(tok, raw["input_ids"].tolist(), 50)
+    enc = scratch.encode_classification(tok, df, 40, vocab)
+    clf = scratch.small_model("bert", 1, 32, vocab, tok, num_labels=8, saobp="learnable", J=-1e-3)
+    with torch.enable_grad():
+        scratch.train(clf, enc, steps=5, batch_size=8, seed=0, j_lr=5.0)  # a huge step size for J
+    assert (clf.model.saobp.J.detach() < 0).all()
+
+
+def test_initial_J_per_head_and_per_layer_and_head():
+    mod = saobp.SAOBP(2, 3, J=torch.tensor([-1.0, -2.0, -4.0]))
+    torch.testing.assert_close(mod.J.detach(), torch.tensor([[-1.0, -2.0, -4.0]] * 2))
+    full = -torch.arange(1, 7, dtype=torch.float32).view(2, 3)
+    torch.testing.assert_close(saobp.SAOBP(2, 3, J=full).J.detach(), full)
+    torch.testing.assert_close(saobp.SAOBP(2, 3, J=0.5, mode="free").J.detach(), torch.full((2, 3), 0.5))
+    torch.testing.assert_close(saobp.SAOBP(2, 3).J.detach(), torch.full((2, 3), saobp.DEFAULT_J))
+
+
+@pytest.mark.parametrize("J", [0.0, 0.3, [-1.0, 0.0, -1.0]])
+def test_repulsive_mode_rejects_J_at_or_above_zero(J):
+    with pytest.raises(ValueError, match="J < 0.*mode='free'"):
+        saobp.SAOBP(2, 3, J=torch.tensor(J))
+
+
+def test_invalid_modes_and_shapes_raise():
+    with pytest.raises(ValueError, match="unknown SAOBP mode 'attractive'"):
+        saobp.SAOBP(2, 3, J=-1.0, mode="attractive")
+    with pytest.raises(ValueError, match="one value per head"):
+        saobp.SAOBP(2, 3, J=torch.full((4,), -1.0))
+    with pytest.raises(ValueError, match="finite"):
+        saobp.SAOBP(2, 3, J=float("nan"), mode="free")
+    lm = models.tiny_random("bert")
+    with pytest.raises(ValueError, match="J < 0"):
+        saobp.attach(lm, J=0.0)
+    assert saobp.get(lm) is None  # nothing attached after a refused J
+    tok = lm.tokenizer
+    vocab = scratch.compact_vocab(tok, [[5, 6, 7]], 3)
+    with pytest.raises(ValueError, match="J < 0"):
+        scratch.small_model("bert", 1, 32, vocab, tok, num_labels=2, saobp="learnable", J=0.0)
+    with pytest.raises(ValueError, match="unknown j_mode"):
+        scratch.scratch_run("SST-2", "mini", 0, "saobp", steps=1, j_mode="attractive")
+    with pytest.raises(ValueError, match="J < 0"):
+        scratch.scratch_run("SST-2", "mini", 0, "saobp", steps=1, J=0.0)
+

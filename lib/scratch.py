@@ -1,0 +1,375 @@
+"""Small models trained from scratch and fine-tuned encoders, for notebooks 08-10 (paper B).
+
+The training toolkit around the reconstructed refinement of :mod:`lib.saobp`: a synthetic two-hop QA
+task, a compact vocabulary, randomly initialised BERT classifiers and Llama LMs of a few sizes
+(:data:`SIZES`), encoders for classification and LM data, a training loop, evaluation, one cached
+from-scratch run (:func:`scratch_run`, notebooks 09 and 10) and one cached fine-tune of a pretrained
+encoder with or without SAOBP (:func:`finetune`, notebook 08).
+
+The training loop (:func:`train`) is a plain seeded AdamW loop, not ``transformers.Trainer``: the models
+are tiny (1-4 layers) and train for a few hundred steps on one CPU, and the loop needs exactly three
+things, which are a few lines each here and would each be an override or a callback in a Trainer: a
+learning rate of its own for SAOBP's J (it barely moves at the model's), every forward pass inside
+:func:`lib.saobp.active` (the refinement and the eager attention function), and seeded random
+mini-batches that both arms of a comparison share. Trainer's machinery (checkpointing, logging,
+evaluation loops, distributed training, mixed precision) is not needed at this size.
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from lib import models, repro
+from lib.saobp import (DEFAULT_J, J_MODES, AttentionStats, active, attach, attention_stats, batches, get,
+                       no_cache, trim)
+
+# ----------------------------------------------------------------------------- synthetic two-hop QA
+
+NAMES = ["anna", "ben", "carl", "dora", "emil", "fay", "gus", "hana", "ivan", "jane", "karl", "lena",
+         "max", "nina", "otto", "paul", "rosa", "sam", "tom", "uma", "vera", "walt", "yuri", "zoe"]
+COLOURS = ["red", "blue", "green", "black", "white", "brown", "pink", "gray"]
+
+
+def synthetic_multihop(n: int, seed: int = 0, chains: int = 3) -> pd.DataFrame:
+    """A synthetic two-hop QA task as a classification DataFrame (text_a, text_b=None, label).
+
+    Each example holds ``chains`` chains "X knows Y . Y likes C ." (facts shuffled) and asks
+    "what does the friend of X like ?"; the label is the colour C of the queried chain (8 classes).
+    One hop (X -> Y) is never enough: the colour is only linked to the intermediate Y."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        people = rng.sample(NAMES, 2 * chains)
+        cols = rng.sample(range(len(COLOURS)), chains)
+        facts = []
+        for c in range(chains):
+            x, y = people[2 * c], people[2 * c + 1]
+            facts += [f"{x} knows {y} .", f"{y} likes {COLOURS[cols[c]]} ."]
+        rng.shuffle(facts)
+        q = rng.randrange(chains)
+        rows.append({"text_a": " ".join(facts) + f" what does the friend of {people[2 * q]} like ?",
+                     "text_b": None, "label": cols[q]})
+    return pd.DataFrame(rows)
+
+
+# ----------------------------------------------------------------------------- small models from scratch
+
+
+@dataclass
+class Vocab:
+    """A compact vocabulary: the ``size`` most frequent token ids of a corpus plus special tokens."""
+    mapping: torch.Tensor  # [original vocab] -> new id (unk for the rest)
+    size: int
+    unk: int
+    pad: int
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.mapping[ids]
+
+
+def compact_vocab(tokenizer, id_lists: Sequence[Sequence[int]], size: int) -> Vocab:
+    """Keep the tokenizer's special tokens and the ``size`` most frequent ids in ``id_lists``."""
+    counts = np.bincount(np.concatenate([np.asarray(x, dtype=np.int64) for x in id_lists]), minlength=len(tokenizer))
+    special = sorted({int(i) for i in tokenizer.all_special_ids})
+    order = [int(i) for i in np.argsort(-counts, kind="stable") if counts[i] > 0 and int(i) not in special][:size]
+    keep = special + order
+    unk_old = tokenizer.unk_token_id
+    unk = keep.index(unk_old) if unk_old in keep else len(keep)
+    n = len(keep) + (0 if unk_old in keep else 1)
+    mapping = torch.full((len(tokenizer),), unk, dtype=torch.long)
+    mapping[torch.tensor(keep)] = torch.arange(len(keep))
+    pad_old = tokenizer.pad_token_id
+    return Vocab(mapping, n, unk, int(mapping[pad_old]) if pad_old is not None else unk)
+
+
+SIZES = {"tiny": (2, 128), "small": (4, 256), "mini": (1, 64)}  # name -> (layers, d_model)
+
+
+def small_model(family: str, n_layers: int, d_model: int, vocab: Vocab, tokenizer, num_labels: int | None = None,
+                seed: int = 0, max_positions: int = 128, head_dim: int = 32, saobp: str | None = None,
+                J: float = DEFAULT_J, j_mode: str = "repulsive") -> models.Loaded:
+    """A randomly initialised BERT classifier (``num_labels``) or Llama LM (``num_labels=None``).
+
+    saobp: None (plain), 'learnable' (J per head, starts at ``J``) or 'fixed' (J held at ``J``);
+    j_mode: 'repulsive' (J = -softplus(theta), needs J < 0) or 'free' (see :func:`lib.saobp.attach`).
+    """
+    import transformers as tf
+
+    if family not in ("bert", "llama"):
+        raise ValueError(f"small_model family must be 'bert' or 'llama', got {family!r}")
+    if saobp not in (None, "learnable", "fixed"):
+        raise ValueError(f"saobp must be None, 'learnable' or 'fixed', got {saobp!r}")
+    heads = max(1, d_model // head_dim)
+    common = dict(vocab_size=vocab.size, hidden_size=d_model, num_hidden_layers=n_layers,
+                  num_attention_heads=heads, intermediate_size=4 * d_model, max_position_embeddings=max_positions,
+                  pad_token_id=vocab.pad)
+    torch.manual_seed(seed)
+    if family == "bert":
+        cfg = tf.BertConfig(num_labels=num_labels or 2, **common)
+        cfg._attn_implementation = "eager"
+        model = tf.BertForSequenceClassification(cfg)
+        kind = "encoder"
+    else:
+        cfg = tf.LlamaConfig(num_key_value_heads=heads, tie_word_embeddings=True, **common)
+        cfg._attn_implementation = "eager"
+        model = tf.LlamaForCausalLM(cfg)
+        kind = "causal"
+    name = f"scratch-{family}-{n_layers}x{d_model}"
+    spec = models.ModelSpec(name, name, kind, "random")
+    lm = models.Loaded(model, tokenizer, models.info_from_model(model, name), spec, "cpu", None)
+    if saobp is not None:
+        attach(lm, J=J, learnable=saobp == "learnable", mode=j_mode)
+    return lm
+
+
+def encode_classification(tokenizer, df: pd.DataFrame, max_length: int, vocab: Vocab | None = None) -> dict:
+    """Tokenise (text_a[, text_b]) pairs with right padding and truncation; labels included."""
+    a = df["text_a"].astype(str).tolist()
+    b = None if df["text_b"].isna().all() else df["text_b"].fillna("").astype(str).tolist()
+    enc = tokenizer(a, b, padding="max_length", truncation=True, max_length=max_length, return_tensors="pt")
+    out = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+    if "token_type_ids" in enc:
+        out["token_type_ids"] = enc["token_type_ids"]
+    if vocab is not None:
+        out["input_ids"] = vocab(out["input_ids"])
+    out["labels"] = torch.tensor(df["label"].to_numpy(), dtype=torch.long)
+    return out
+
+
+def encode_lm(tokenizer, texts: Sequence[str], seq_len: int, vocab: Vocab | None = None) -> dict:
+    """Concatenate texts (EOS between) and cut into unpadded chunks of ``seq_len`` tokens."""
+    ids = []
+    eos = tokenizer.eos_token_id
+    for t in texts:
+        ids += tokenizer(t, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
+    n = len(ids) // seq_len
+    x = torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+    if vocab is not None:
+        x = vocab(x)
+    return {"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()}
+
+
+@dataclass
+class TrainLog:
+    losses: list[float] = field(default_factory=list)
+    seconds_per_step: float = float("nan")
+
+
+def train(lm: models.Loaded, enc: dict, steps: int, batch_size: int = 32, lr: float = 1e-3,
+          j_lr: float = 0.05, seed: int = 0, progress: bool = False, desc: str = "train") -> TrainLog:
+    """AdamW on random mini-batches (seeded) of ``enc`` (must hold ``labels``), through :func:`active`.
+
+    J of an attached SAOBP gets its own learning rate ``j_lr`` (it would barely move at the model's)."""
+
+    if not torch.is_grad_enabled():
+        raise RuntimeError("training needs autograd: call repro.setup(seed, grad=True) first")
+    model = lm.model
+    j_params = [p for n, p in model.named_parameters() if n.startswith("saobp.") and p.requires_grad]
+    ids = {id(p) for p in j_params}
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
+    groups = [{"params": rest, "lr": lr}] + ([{"params": j_params, "lr": j_lr, "weight_decay": 0.0}] if j_params else [])
+    opt = torch.optim.AdamW(groups, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(seed)
+    n = len(enc["input_ids"])
+    log = TrainLog()
+    model.train()
+    t0 = time.perf_counter()
+    with active(lm):
+        for _ in repro.bar(range(steps), desc=desc, progress=progress):
+            idx = torch.randint(0, n, (batch_size,), generator=gen)
+            batch = {k: v.to(lm.device) for k, v in trim({k: v[idx] for k, v in enc.items()}).items()}
+            loss = model(**batch, **no_cache(lm)).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            log.losses.append(loss.item())
+    log.seconds_per_step = (time.perf_counter() - t0) / max(1, steps)
+    model.eval()
+    return log
+
+
+def accuracy_or_perplexity(lm: models.Loaded, enc: dict, batch_size: int = 64) -> dict:
+    """A trained model on encoded dev data: {'accuracy'} for a classifier (logits [b, labels]), or
+    {'loss', 'perplexity'} (mean next-token loss) for a causal LM."""
+    model = lm.model
+    model.eval()
+    correct = total = 0
+    nll = 0.0
+    with active(lm), torch.no_grad():
+        for b in batches(enc, batch_size):
+            b = {k: v.to(lm.device) for k, v in b.items()}
+            if lm.info.is_causal:
+                out = model(**b, use_cache=False)
+                logits = out.logits[:, :-1].float()
+                tgt = b["labels"][:, 1:]
+                nll += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
+                                                               reduction="sum"))
+                total += tgt.numel()
+            else:
+                labels = b.pop("labels")
+                pred = model(**b).logits.argmax(-1)
+                correct += int((pred == labels).sum())
+                total += len(labels)
+    if lm.info.is_causal:
+        return {"loss": nll / total, "perplexity": math.exp(nll / total)}
+    return {"accuracy": correct / total}
+
+
+# ----------------------------------------------------------------------------- one cached experiment
+
+SCRATCH_TASKS = ("SST-2", "CoLA", "RTE", "MRPC", "multihop", "LM")
+
+
+def task_source(task: str):
+    """The raw (train, dev) data of a from-scratch task. GLUE: the 1,000-row train sample and the GLUE
+    dev set (DataFrames); 'multihop': 1,000 / 500 synthetic examples; 'LM': Wikipedia prompt+gold text
+    of rows 0..1499 for training and the gold text of rows 1500.. for evaluation (lists of texts)."""
+    from lib import data
+
+    if task not in SCRATCH_TASKS:
+        raise ValueError(f"unknown task {task!r}: use one of {', '.join(SCRATCH_TASKS)}")
+    if task == "LM":
+        rows = data.wiki_samples()
+        return [r["prompt"] + " " + r["gold"] for r in rows[:1500]], [r["gold"] for r in rows[1500:]]
+    if task == "multihop":
+        return synthetic_multihop(1000, seed=1000), synthetic_multihop(500, seed=2000)
+    return data.glue(task, "train"), data.glue(task, "dev")
+
+
+def task_data(task: str, tokenizer, max_length: int, vocab_size: int, n_eval: int | None = None, seed: int = 0):
+    """(train, dev, vocab) encodings of :func:`task_source` for a from-scratch run (LM texts in
+    chunks of ``max_length``)."""
+    if task == "LM":
+        train_txt, dev_txt = task_source(task)
+        raw = encode_lm(tokenizer, train_txt, max_length)
+        vocab = compact_vocab(tokenizer, raw["input_ids"].tolist(), vocab_size)
+        tr, dev = encode_lm(tokenizer, train_txt, max_length, vocab), encode_lm(tokenizer, dev_txt, max_length, vocab)
+    else:
+        tr_df, dev_df = task_source(task)
+        raw = encode_classification(tokenizer, tr_df, max_length)
+        vocab = compact_vocab(tokenizer, raw["input_ids"].tolist(), vocab_size)
+        tr, dev = encode_classification(tokenizer, tr_df, max_length, vocab), encode_classification(tokenizer, dev_df, max_length, vocab)
+    if n_eval is not None and n_eval < len(dev["input_ids"]):
+        idx = torch.randperm(len(dev["input_ids"]), generator=torch.Generator().manual_seed(seed))[:n_eval].sort().values
+        dev = {k: v[idx] for k, v in dev.items()}
+    return tr, dev, vocab
+
+
+def scratch_tokenizer(task: str, encoder: str = "minilm-l6", decoder: str = "smollm2-135m"):
+    """The (embedded) encoder's tokenizer for the BERT classifiers, the decoder's for the Llama LM."""
+    import transformers as tf
+
+    name = decoder if task == "LM" else encoder
+    folder = models.prepare_embedded(name)
+    return models._prepare_tokenizer(tf.AutoTokenizer.from_pretrained(folder), "causal" if task == "LM" else "encoder")
+
+
+def scratch_run(task: str, size: str, seed: int, variant: str, steps: int, batch_size: int = 16,
+                max_length: int = 40, lr: float = 1e-3, j_lr: float = 0.05, J: float = DEFAULT_J,
+                vocab_size: int = 3000, n_stats: int = 64, n_eval: int | None = None, progress: bool = False,
+                encoder: str = "minilm-l6", decoder: str = "smollm2-135m", j_mode: str = "repulsive") -> dict:
+    """Train a from-scratch model (BERT classifier, or Llama LM for task 'LM') of ``size`` (see
+    :data:`SIZES`) with ``variant`` 'baseline', 'saobp' (learnable J from ``J``) or 'saobp-fixed';
+    evaluate on dev and measure attention statistics on ``n_stats`` dev examples. Cached (lib.cache).
+
+    j_mode: 'repulsive' (J = -softplus(theta), J < 0 by construction; ``J`` must be < 0) or 'free' (the
+    earlier unconstrained J). The baseline ignores ``J`` and ``j_mode``.
+
+    Cache key: kind 'saobp-scratch' (kept from when this lived in lib.saobp). A baseline's key records
+    J = 0.0 (the plain model) whatever ``J`` is, and a 'free' run's key has no ``j_mode`` entry, so both
+    keep the keys they had before the repulsive mode existed; a 'repulsive' run's key adds
+    ``j_mode='repulsive'``."""
+    from lib import cache
+
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}: use one of {', '.join(SIZES)}")
+    modes = {"baseline": None, "saobp": "learnable", "saobp-fixed": "fixed"}
+    if variant not in modes:
+        raise ValueError(f"unknown variant {variant!r}: use one of {', '.join(modes)}")
+    if j_mode not in J_MODES:
+        raise ValueError(f"unknown j_mode {j_mode!r}: use one of {', '.join(J_MODES)}")
+    if variant != "baseline" and j_mode == "repulsive" and not J < 0:
+        raise ValueError(f"j_mode 'repulsive' needs an initial J < 0, got J={J!r} (use j_mode='free' for J >= 0)")
+    params = dict(task=task, size=SIZES[size], seed=seed, variant=variant, steps=steps, batch_size=batch_size,
+                  max_length=max_length, lr=lr, j_lr=j_lr, J=0.0 if variant == "baseline" else J,
+                  vocab_size=vocab_size, n_stats=n_stats,
+                  n_eval=n_eval, tokenizer=decoder if task == "LM" else encoder, version=1,
+                  data=cache.content_hash(task_source(task)))  # edited train or dev rows: trained again
+    if variant != "baseline" and j_mode != "free":  # 'free' keeps its earlier key (see the docstring)
+        params["j_mode"] = j_mode
+
+    def build():
+        tok = scratch_tokenizer(task, encoder, decoder)
+        tr, dev, vocab = task_data(task, tok, max_length, vocab_size, n_eval)
+        n_labels = None if task == "LM" else int(max(int(tr["labels"].max()), int(dev["labels"].max())) + 1)
+        L, d = SIZES[size]
+        lm = small_model("llama" if task == "LM" else "bert", L, d, vocab, tok, num_labels=n_labels, seed=seed,
+                         max_positions=max(128, max_length), saobp=modes[variant], J=J, j_mode=j_mode)
+        with torch.enable_grad():
+            log = train(lm, tr, steps, batch_size, lr, j_lr, seed, progress, desc=f"{task} {size} {variant} s{seed}")
+        scores = accuracy_or_perplexity(lm, dev)
+        sub = {k: v[:n_stats] for k, v in dev.items()}
+        st = attention_stats(lm, sub, batch_size=32)
+        mod = get(lm)
+        return {"params": params, "metrics": scores, "seconds_per_step": log.seconds_per_step, "losses": log.losses,
+                "table": st.table(), "per_head": {m: st.per_head(m) for m in AttentionStats.METRICS},
+                "J": None if mod is None else mod.J.detach().clone()}
+
+    return cache.get_or_build("saobp-scratch", "scratch", params, build)
+
+
+# ----------------------------------------------------------------------------- one cached fine-tune (notebook 08)
+
+
+def finetune(model_name: str, arm: str, seed: int, train_enc: dict, texts_enc: dict, eval_enc: dict, *,
+             n_labels: int, steps: int, batch_size: int, lr: float, j_lr: float, key: dict,
+             J: float = DEFAULT_J, j_mode: str = "repulsive", device: str = "cpu", progress: bool = True) -> dict:
+    """Fine-tune the pretrained encoder ``model_name`` as a classifier, ``arm`` 'baseline' (plain) or
+    'saobp' (a learnable J per layer and head from ``J``, in ``j_mode``), with :func:`train`; cached.
+
+    train_enc / eval_enc: encoded training and accuracy data (:func:`encode_classification`, labels
+    included); texts_enc: the texts whose attention statistics are kept. ``key``: what the caller knows
+    about those encodings (task, lengths, sizes, data seed): it goes into the cache key, since the
+    encodings themselves are not hashed. Returns {'accuracy', 'table' (:meth:`AttentionStats.table`),
+    'per_text' ([n_texts, n_layers] normalised entropy), 'J' (the learned effective J or None),
+    'seconds_per_step', 'loss_last' (mean of the last 5 losses)}. Seeds everything with
+    ``repro.setup(seed, grad=True)`` and leaves autograd off.
+
+    Cache key: kind 'saobp-finetune' for ``model_name`` with the same fields as notebook 08's own loop
+    had (version 2), so baseline runs keep their keys; the SAOBP arm's key adds ``J`` and ``j_mode``
+    (it used to start at J = 0, which the repulsive mode cannot represent)."""
+    from lib import cache
+
+    if arm not in ("baseline", "saobp"):
+        raise ValueError(f"unknown arm {arm!r}: use 'baseline' or 'saobp'")
+    if j_mode not in J_MODES:
+        raise ValueError(f"unknown j_mode {j_mode!r}: use one of {', '.join(J_MODES)}")
+    if arm == "saobp" and j_mode == "repulsive" and not J < 0:
+        raise ValueError(f"j_mode 'repulsive' needs an initial J < 0, got J={J!r} (use j_mode='free' for J >= 0)")
+
+    def build():
+        repro.setup(seed, grad=True)
+        m = models.load(model_name, device=device, task="sequence-classification", num_labels=n_labels)
+        if arm == "saobp":
+            attach(m, J=J, learnable=True, mode=j_mode)
+        log = train(m, train_enc, steps, batch_size, lr=lr, j_lr=j_lr, seed=seed, progress=progress,
+                    desc=f"{arm} seed {seed}")
+        torch.set_grad_enabled(False)
+        st = attention_stats(m, texts_enc, batch_size=16, keep_sequences=True)
+        mod = get(m)
+        return {"accuracy": accuracy_or_perplexity(m, eval_enc)["accuracy"], "table": st.table(),
+                "per_text": st.per_sequence("entropy_norm"),  # [n_texts, n_layers], for the interval over texts
+                "J": None if mod is None else mod.J.detach().clone(), "seconds_per_step": log.seconds_per_step,
+                "loss_last": float(np.mean(log.losses[-5:]))}
+
+    params = dict(arm=arm, seed=seed, steps=steps, batch_size=batch_size, lr=lr, j_lr=j_lr, **key, version=2)
+    if arm == "saobp":
+        params.update(J=J, j_mode=j_mode)
+    return cache.get_or_build("saobp-finetune", model_name, params, build)

@@ -96,6 +96,21 @@ def bootstrap_mean(x: Sequence[float], level: float = LEVEL, n_resamples: int = 
     return Estimate(value, float(lo), float(hi), a.size, level, "BCa bootstrap")
 
 
+def share_interval(x: Sequence[float], level: float = LEVEL, n_resamples: int = N_RESAMPLES, seed: int = 0) -> Estimate:
+    """Interval of a share of items (an accuracy) from per-item values in [0, 1]. Right/wrong items
+    (every value 0 or 1) get the exact Clopper-Pearson interval (``scipy.stats.binomtest``), which keeps
+    its width at 0 of n and n of n; per-item shares (e.g. one fact's share of right answers over several
+    random neuron sets, not a binomial count) get the BCa bootstrap over items of :func:`bootstrap_mean`."""
+    a = _as_float(x)
+    if ((a < 0) | (a > 1)).any():
+        raise ValueError("a share needs per-item values in [0, 1]")
+    if np.isin(a, (0.0, 1.0)).all():
+        right = int(a.sum())
+        ci = _st.binomtest(right, a.size).proportion_ci(confidence_level=level, method="exact")
+        return Estimate(right / a.size, float(ci.low), float(ci.high), a.size, level, "exact Clopper-Pearson")
+    return bootstrap_mean(a, level=level, n_resamples=n_resamples, seed=seed)
+
+
 def paired_bootstrap(treated: Sequence[float], baseline: Sequence[float], level: float = LEVEL,
                      n_resamples: int = N_RESAMPLES, seed: int = 0, statistic: Callable = np.mean,
                      relative: bool = False) -> Estimate:

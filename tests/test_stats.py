@@ -118,3 +118,20 @@ def test_relative_paired_change():
     assert e.value == pytest.approx(-0.5) and e.low <= -0.5 + 1e-9 <= e.high + 1e-9
     with pytest.raises(ValueError, match="non-zero"):
         stats.paired_bootstrap([1.0, 2.0], [0.0, 0.0], relative=True)
+
+
+def test_share_interval_is_clopper_pearson_for_right_wrong_items_and_bca_for_shares():
+    from statsmodels.stats.proportion import proportion_confint
+
+    right = np.array([1] * 7 + [0] * 17, dtype=float)
+    e = stats.share_interval(right)
+    assert e.value == pytest.approx(7 / 24) and e.n == 24 and "Clopper-Pearson" in e.method
+    assert (e.low, e.high) == pytest.approx(proportion_confint(7, 24, alpha=0.05, method="beta"))
+    none = stats.share_interval(np.zeros(12))  # 0 of n: the interval keeps its width
+    assert none.low == 0 and none.high == pytest.approx(1 - 0.025 ** (1 / 12))
+    shares = np.tile([0.0, 0.5, 1.0, 0.5], 10)  # each fact's mean over two random sets: not binomial
+    b = stats.share_interval(shares, seed=3)
+    ref = stats.bootstrap_mean(shares, seed=3)
+    assert (b.value, b.low, b.high, b.method) == (ref.value, ref.low, ref.high, ref.method)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        stats.share_interval([0.5, 1.5])

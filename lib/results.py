@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,9 @@ from lib.cache import atomic_write_text
 from lib.verdict import VERDICTS, Verdict
 
 LEDGER = "claims.json"
+# One token per Python process (a notebook's kernel): a record drops its notebook's findings written by an
+# earlier execution, so a finding that a re-run renames or no longer records leaves no stale row.
+_EXECUTION = uuid.uuid4().hex
 COLUMNS = ("notebook", "finding", "paper", "estimate", "control", "preconditions", "n", "verdict", "reason", "ours")
 
 
@@ -59,7 +63,8 @@ def record_dir(model_name: str, notebook: str) -> Path:
 
 def record(model_name: str, notebook: str, verdict: Verdict, ours: str = "", numbers: dict | None = None,
            params: dict | None = None) -> Path:
-    """Add (or replace) one finding of ``notebook`` for ``model_name``.
+    """Add (or replace) one finding of ``notebook`` for ``model_name``. Findings that an earlier
+    execution of the notebook recorded are dropped (a re-run records all of its findings afresh).
 
     verdict: from :func:`lib.verdict.decide` (finding, paper, estimate, control, preconditions, n and
     reason come from it); ours: the measured numbers in words, as the notebook prints them.
@@ -72,9 +77,11 @@ def record(model_name: str, notebook: str, verdict: Verdict, ours: str = "", num
     path = folder / f"{notebook}.json"
     doc = json.loads(path.read_text()) if path.exists() else {"notebook": notebook, "model": model_name, "findings": []}
     row = {**verdict.ledger(), "ours": ours}
-    doc["findings"] = [f for f in doc["findings"] if f["finding"] != row["finding"]]
+    doc["findings"] = [f for f in doc["findings"]
+                       if f["finding"] != row["finding"] and f.get("execution") == _EXECUTION]
     doc["findings"].append(_clean({**row, "numbers": numbers or {}, "params": params or {},
-                                   "recorded": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}))
+                                   "recorded": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                                   "execution": _EXECUTION}))
     atomic_write_text(path, json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
     if folder != paths.results_dir(model_name):  # a run folder keeps its own ledger up to date
         _write_ledger(folder, model_name, _fresh_rows(folder))

@@ -104,3 +104,13 @@ def test_an_adhoc_run_records_in_its_run_folder_and_leaves_the_published_ledger(
     assert json.loads((tmp_project / "results" / "m" / "01_a.json").read_text())["findings"][0]["ours"] == "published"
     monkeypatch.setattr(params, "_CURRENT", None)
     assert results.write_claims("m").read_text() == published  # the run folder is not published
+
+
+def test_a_rerun_drops_findings_it_no_longer_records(tmp_project, monkeypatch):
+    """A finding renamed (or dropped) by a re-run leaves no stale row; one execution keeps all of its own."""
+    results.record("m", "01_a", _verdict(finding="old name"), "first run")
+    results.record("m", "01_a", _verdict(finding="second finding"), "first run")
+    assert [r["finding"] for r in results.load_records("m")] == ["old name", "second finding"]
+    monkeypatch.setattr(results, "_EXECUTION", "a later kernel")
+    results.record("m", "01_a", _verdict(finding="new name"), "re-run")
+    assert [r["finding"] for r in results.load_records("m")] == ["new name"]

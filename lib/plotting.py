@@ -8,6 +8,8 @@ import matplotlib
 
 from lib import params, paths
 
+MAX_VECTOR_ELEMENTS = 5000  # a collection with more points or paths than this is rasterized in the SVG
+
 
 def setup() -> None:
     """Seaborn's paper style, fixed size and DPI, and constrained layout (titles, suptitles and
@@ -35,5 +37,15 @@ def save(fig, model_name: str, name: str) -> Path:
         folder = paths.figures_dir(model_name)
     path = folder / f"{name}.png"
     fig.savefig(path, metadata={"Software": None})
-    fig.savefig(path.with_suffix(".svg"), metadata={"Date": None, "Creator": None})
+    # In the SVG, scatter and mesh layers of many elements (every neuron of a model) are embedded as
+    # images; axes, text and lines stay vector (an SVG of 46k points is several MB and slow to open).
+    dense = [a for ax in fig.axes for a in ax.collections
+             if not a.get_rasterized() and len(a.get_offsets()) + len(getattr(a, "get_paths", list)()) > MAX_VECTOR_ELEMENTS]
+    for a in dense:
+        a.set_rasterized(True)
+    try:
+        fig.savefig(path.with_suffix(".svg"), metadata={"Date": None, "Creator": None})
+    finally:
+        for a in dense:
+            a.set_rasterized(False)
     return path

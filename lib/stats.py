@@ -49,9 +49,12 @@ class Estimate:
         return Estimate(self.value * factor, lo, hi, self.n, self.level, self.method)
 
     def fmt(self, digits: int = 2, unit: str = "") -> str:
-        """'0.12 [0.05, 0.19]'; ``digits`` should match the interval's resolution."""
-        f = f"{{:+.{digits}f}}" if self.low < 0 < self.high or self.value < 0 else f"{{:.{digits}f}}"
-        return f"{f.format(self.value)}{unit} [{f.format(self.low)}, {f.format(self.high)}]"
+        """'0.12 [0.05, 0.19]'; ``digits`` should match the interval's resolution. Signs and the signed
+        style are decided on the rounded values, so float noise around 0 never prints '-0' or flips the
+        style between machines."""
+        v, lo, hi = (round(x, digits) + 0.0 for x in (self.value, self.low, self.high))  # -0.0 + 0.0 == 0.0
+        f = f"{{:+.{digits}f}}" if lo < 0 < hi or v < 0 else f"{{:.{digits}f}}"
+        return f"{f.format(v)}{unit} [{f.format(lo)}, {f.format(hi)}]"
 
 
 def _as_float(x) -> np.ndarray:

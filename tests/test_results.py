@@ -85,6 +85,10 @@ def test_figures_are_saved_per_model(tmp_project):
     plotting.save(fig, "org/model", "00_line")
     assert (p.read_bytes(), p.with_suffix(".svg").read_text()) == first  # same figure, same bytes
     assert plt.rcParams["figure.constrained_layout.use"]
+    fig2, ax2 = plt.subplots()
+    dots = ax2.scatter(range(20000), range(20000), s=1)  # every neuron of a model: an image in the SVG
+    svg2 = plotting.save(fig2, "org/model", "00_dense").with_suffix(".svg").read_text()
+    assert "<image" in svg2 and len(svg2) < 500_000 and not dots.get_rasterized()
     with pytest.raises(ValueError):
         plotting.save(fig, "m", "a/b")
 

@@ -135,3 +135,12 @@ def test_share_interval_is_clopper_pearson_for_right_wrong_items_and_bca_for_sha
     assert (b.value, b.low, b.high, b.method) == (ref.value, ref.low, ref.high, ref.method)
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         stats.share_interval([0.5, 1.5])
+
+
+def test_fmt_never_prints_negative_zero_and_decides_style_on_rounded_values():
+    from lib.stats import Estimate
+
+    assert Estimate(-0.3, -0.4, 0.2, 3).fmt(0) == "0 [0, 0]"  # was '+0 [-0, +0]' (10's key cell)
+    assert Estimate(0.2, -0.001, 0.4, 3).fmt(2) == Estimate(0.2, 0.001, 0.4, 3).fmt(2) == "0.20 [0.00, 0.40]"
+    assert Estimate(0.0, -0.05, 0.06, 3).fmt(2) == "+0.00 [-0.05, +0.06]"
+    assert Estimate(-0.28, -0.47, -0.05, 3).fmt(2) == "-0.28 [-0.47, -0.05]"

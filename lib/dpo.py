@@ -323,21 +323,23 @@ def train_dpo(lm: Loaded, pairs: pd.DataFrame, steps: int = DEFAULTS["dpo_steps"
         def save(_, folder: Path):
             folder.mkdir(parents=True)
             repro.setup(seed, grad=True)
-            try:
-                with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    model, log = _run_dpo(lm, pairs, steps, lr, beta, seed, batch_size, progress, Path(tmp))
-            finally:
-                torch.set_grad_enabled(False)
-            model.eval()
-            model.save_pretrained(folder)
-            lm.tokenizer.save_pretrained(folder)
+            with repro.library_bars(progress):  # TRL's dataset preparation, transformers' shard writing
+                try:
+                    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        model, log = _run_dpo(lm, pairs, steps, lr, beta, seed, batch_size, progress, Path(tmp))
+                finally:
+                    torch.set_grad_enabled(False)
+                model.eval()
+                model.save_pretrained(folder)
+                lm.tokenizer.save_pretrained(folder)
             log.to_csv(folder / "training_log.csv", index=False)
             (folder / "SOURCE.txt").write_text(f"DPO (TRL DPOTrainer) of {lm.name}; params {json.dumps(params)}\n")
         cache.atomic_save(None, target, save)
     torch.set_grad_enabled(False)
     dev = "cpu" if str(lm.device) == "cpu" else str(lm.device)
-    dpo_lm = models.load(str(target), device=dev, dtype=lm.model.dtype, device_map=lm.device_map)
+    with repro.library_bars(progress):  # transformers' "Loading weights"
+        dpo_lm = models.load(str(target), device=dev, dtype=lm.model.dtype, device_map=lm.device_map)
     dpo_lm.spec = dataclasses.replace(dpo_lm.spec, name=f"{lm.name}-dpo-{target.name.split('-')[-1]}")
     dpo_lm.info.name = dpo_lm.spec.name
     return dpo_lm, pd.read_csv(target / "training_log.csv")

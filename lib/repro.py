@@ -2,6 +2,7 @@
 and one switch for progress bars (on when you run a notebook yourself, off in stored outputs)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 
@@ -63,3 +64,24 @@ def bar(iterable=None, *, progress: bool = True, **kwargs):
     from tqdm.auto import tqdm
 
     return tqdm(iterable, disable=not (progress and progress_on()), **kwargs)
+
+
+@contextlib.contextmanager
+def library_bars(progress: bool = True):
+    """Within the block, the bars of Hugging Face datasets and transformers (dataset maps, shard
+    writing) show only when ``progress`` and COMPENDIUM_PROGRESS allow it; their state is restored after."""
+    import datasets
+    from transformers.utils import logging as hf_logging
+
+    on = progress and progress_on()
+    was = datasets.is_progress_bar_enabled(), hf_logging.is_progress_bar_enabled()
+    if not on:
+        datasets.disable_progress_bars()
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was[0]:
+            datasets.enable_progress_bars()
+        if was[1]:
+            hf_logging.enable_progress_bar()

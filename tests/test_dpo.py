@@ -115,7 +115,7 @@ def test_steering_changes_generation_and_preference_pairs(llama):
     assert again.equals(pairs) and again.attrs == pairs.attrs
 
 
-def test_dpo_two_steps_change_weights_and_cache_hit_reloads_them(llama, monkeypatch):
+def test_dpo_two_steps_change_weights_and_cache_hit_reloads_them(llama, monkeypatch, capfd):
     import pandas as pd
 
     pairs = pd.DataFrame({"prompt": ["the cat sat", "a river runs", "one two", "green house"],
@@ -123,7 +123,9 @@ def test_dpo_two_steps_change_weights_and_cache_hit_reloads_them(llama, monkeypa
                           "rejected": [" zebra engine", " thunder marble", " quantum violet", " engine zebra"],
                           "tox_chosen": [0.1] * 4, "tox_rejected": [0.9] * 4})
     before = {k: v.clone() for k, v in llama.model.state_dict().items()}
+    capfd.readouterr()
     trained, log = dpo.train_dpo(llama, pairs, steps=2, lr=1e-3, seed=0, progress=False, batch_size=2)
+    assert "%|" not in capfd.readouterr().err  # no bars: neither the trainer's nor TRL's dataset preparation
     assert not torch.is_grad_enabled()
     assert list(log.step) == [1, 2] and np.isfinite(log.loss).all() and "reward_margin" in log
     for k, v in llama.model.state_dict().items():  # the base model is untouched

@@ -336,14 +336,14 @@ def finetune(model_name: str, arm: str, seed: int, train_enc: dict, texts_enc: d
 
     train_enc / eval_enc: encoded training and accuracy data (:func:`encode_classification`, labels
     included); texts_enc: the texts whose attention statistics are kept. ``key``: what the caller knows
-    about those encodings (task, lengths, sizes, data seed): it goes into the cache key, since the
-    encodings themselves are not hashed. Returns {'accuracy', 'table' (:meth:`AttentionStats.table`),
+    about those encodings (task, lengths, sizes, data seed): it goes into the cache key, with a content
+    hash of the three encodings. Returns {'accuracy', 'table' (:meth:`AttentionStats.table`),
     'per_text' ([n_texts, n_layers] normalised entropy), 'J' (the learned effective J or None),
     'seconds_per_step', 'loss_last' (mean of the last 5 losses)}. Seeds everything with
     ``repro.setup(seed, grad=True)`` and leaves autograd off.
 
-    Cache key: kind 'saobp-finetune' for ``model_name`` with the same fields as notebook 08's own loop
-    had (version 2), so baseline runs keep their keys; the SAOBP arm's key adds ``J`` and ``j_mode``
+    Cache key: kind 'saobp-finetune' for ``model_name`` with the fields notebook 08's own loop had
+    (version 2) plus the encodings' content hash; the SAOBP arm's key adds ``J`` and ``j_mode``
     (it used to start at J = 0, which the repulsive mode cannot represent)."""
     from lib import cache
 
@@ -369,7 +369,9 @@ def finetune(model_name: str, arm: str, seed: int, train_enc: dict, texts_enc: d
                 "J": None if mod is None else mod.J.detach().clone(), "seconds_per_step": log.seconds_per_step,
                 "loss_last": float(np.mean(log.losses[-5:]))}
 
-    params = dict(arm=arm, seed=seed, steps=steps, batch_size=batch_size, lr=lr, j_lr=j_lr, **key, version=2)
+    params = dict(arm=arm, seed=seed, steps=steps, batch_size=batch_size, lr=lr, j_lr=j_lr, **key, version=2,
+                  # the encodings' content: edited texts or labels give a new artifact, never a stale one
+                  data=cache.content_hash([{k: v for k, v in sorted(e.items())} for e in (train_enc, texts_enc, eval_enc)]))
     if arm == "saobp":
         params.update(J=J, j_mode=j_mode)
     return cache.get_or_build("saobp-finetune", model_name, params, build)

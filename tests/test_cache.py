@@ -178,3 +178,20 @@ def test_saobp_scratch_run_key_holds_the_task_rows(scratch, keys):
     lib_scratch.scratch_run("SST-2", "mini", 0, "baseline", steps=1)
     (k1, p1), (k2, p2) = keys
     assert k1 == k2 == "saobp-scratch" and p1["data"] != p2["data"]
+
+
+def test_finetune_key_holds_the_encodings(scratch, monkeypatch):
+    """scratch.finetune's artifact is keyed by the encodings' content: one changed token id, a new key."""
+    import torch
+    from lib import cache, scratch as sc
+
+    seen = []
+    monkeypatch.setattr(cache, "get_or_build", lambda kind, model, params, build, **kw: seen.append(params))
+    enc = {"input_ids": torch.tensor([[1, 2, 3]]), "attention_mask": torch.ones(1, 3, dtype=torch.long),
+           "labels": torch.tensor([0])}
+    kw = dict(n_labels=2, steps=1, batch_size=1, lr=1e-3, j_lr=1e-2, key={"task": "t"})
+    sc.finetune("minilm-l6", "baseline", 0, enc, enc, enc, **kw)
+    edited = {**enc, "input_ids": torch.tensor([[1, 2, 4]])}
+    sc.finetune("minilm-l6", "baseline", 0, edited, enc, enc, **kw)
+    assert seen[0]["data"] != seen[1]["data"] and {k: v for k, v in seen[0].items() if k != "data"} == \
+        {k: v for k, v in seen[1].items() if k != "data"}

@@ -28,6 +28,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 
 from lib import repro
@@ -567,3 +568,169 @@ class AttentionRecorder:
         L = int(layer)
         self.patterns[L] = probs.detach().float().cpu()
         self.valid[L] = None if valid is None else valid.detach().cpu()
+
+
+# ----------------------------------------------------------------------------- MLP sites (paper C)
+
+# Where a "neuron" can live in an MLP block. 'act' is the input of the output projection (what
+# MLPRecorder and intervene read: act(gate) * up for gated MLPs); 'up', 'gate' and 'down' are the
+# *output units* of those linear maps (paper C's neurons: "every output unit of up_proj, gate_proj
+# and down_proj"). GPT-2 has no gate; its 'up' is c_fc's output (before the GELU), 'down' c_proj's.
+SITES = ("act", "up", "gate", "down")
+_SITE_MODULES = {"gpt2": {"up": "h.{L}.mlp.c_fc", "down": "h.{L}.mlp.c_proj"},
+                 "llama": {"up": "layers.{L}.mlp.up_proj", "gate": "layers.{L}.mlp.gate_proj", "down": "layers.{L}.mlp.down_proj"}}
+_SITE_MODULES["gemma2"] = _SITE_MODULES["mistral"] = _SITE_MODULES["llama"]
+
+
+@dataclass(frozen=True)
+class Units:
+    """A flat index over the neurons of several MLP sites in every layer: site-major, then layer,
+    then unit (the order of :meth:`blocks`). ``Units.of(lm, ("up", "gate", "down"))``."""
+    sites: tuple[str, ...]
+    n_layers: int
+    widths: tuple[int, ...]  # one per site
+
+    @classmethod
+    def of(cls, lm: Loaded, sites: Sequence[str]) -> "Units":
+        sites = tuple(sites)
+        if not sites or len(set(sites)) != len(sites):
+            raise ValueError(f"sites must be distinct names from {SITES}, got {sites!r}")
+        info = lm.info
+        widths = []
+        for s in sites:
+            if s not in SITES:
+                raise ValueError(f"unknown MLP site {s!r}: use one of {', '.join(SITES)}")
+            if s != "act" and s not in _SITE_MODULES.get(info.family, {}):
+                raise ValueError(f"{info.family} models have no {s!r} projection (sites there: "
+                                 f"act, {', '.join(_SITE_MODULES.get(info.family, {}))})")
+            widths.append(info.d_model if s == "down" else info.d_mlp)
+        return cls(sites, info.n_layers, tuple(widths))
+
+    @property
+    def size(self) -> int:
+        return self.n_layers * sum(self.widths)
+
+    def blocks(self) -> list[tuple[str, int, int, int]]:
+        """(site, layer, offset, width) of every contiguous block of the flat index."""
+        out, off = [], 0
+        for s, w in zip(self.sites, self.widths):
+            for L in range(self.n_layers):
+                out.append((s, L, off, w))
+                off += w
+        return out
+
+    def split(self, flat) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(site index, layer, unit) arrays of flat indices."""
+        flat = np.asarray(flat, dtype=np.int64).reshape(-1)
+        if flat.size and (flat.min() < 0 or flat.max() >= self.size):
+            raise ValueError(f"unit index out of range 0..{self.size - 1}")
+        starts = np.cumsum([0] + [self.n_layers * w for w in self.widths])
+        site = np.searchsorted(starts, flat, side="right") - 1
+        rest = flat - starts[site]
+        w = np.asarray(self.widths)[site]
+        return site, rest // w, rest % w
+
+    def stratum(self, flat) -> np.ndarray:
+        """(site, layer) block number of each flat index: what a layer-matched control matches."""
+        site, layer, _ = self.split(flat)
+        return site * self.n_layers + layer
+
+    def labels(self, flat) -> list[str]:
+        site, layer, unit = self.split(flat)
+        return [f"{self.sites[s]}:L{L}N{i}" for s, L, i in zip(site, layer, unit)]
+
+
+def _site_hook_target(lm: Loaded, site: str, layer: int):
+    """(module, 'input' | 'output') whose tensor holds the site's units."""
+    if site == "act":
+        return lm.mlp_out_module(layer), "input"
+    return lm.model.base_model.get_submodule(_SITE_MODULES[lm.info.family][site].format(L=layer)), "output"
+
+
+class UnitRecorder:
+    """Per-sequence masked means of every unit in ``units`` (all its sites and layers), as one
+    [n_sequences, units.size] float tensor in the flat order. Set ``rec.mask`` ([batch, pos]) before
+    each forward; forwards run while ``rec.active`` is False (e.g. KV-cached decoding steps) are
+    not recorded."""
+
+    def __init__(self, lm: Loaded, units: Units, dtype=torch.float16):
+        self.lm, self.units, self.dtype = lm, units, dtype
+        self.mask: torch.Tensor | None = None
+        self.active = True
+        self._rows: list[list[torch.Tensor]] = []  # per forward: one tensor per block
+        self._cur: list[torch.Tensor] | None = None
+        self._handles: list = []
+
+    def _make(self, slot: int, kind: str):
+        def record(x):
+            if not self.active:
+                return
+            m = self.mask if self.mask is not None else torch.ones(x.shape[:2], device=x.device)
+            m = m.to(x.device, torch.float32)[:, -x.shape[1]:]
+            mean = (x.float() * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True).clamp_min(1)
+            self._cur[slot] = mean.to(self.dtype).cpu()
+
+        if kind == "input":
+            return lambda module, args: record(args[0].detach())
+        return lambda module, args, output: record(_first_tensor(output).detach())
+
+    def begin(self):
+        """Call before each recorded forward."""
+        self._cur = [None] * len(self.units.blocks())
+
+    def end(self):
+        """Call after each recorded forward: keeps its rows."""
+        if self._cur is not None and self.active:
+            if any(t is None for t in self._cur):
+                raise RuntimeError("a site was not reached in the forward pass")
+            self._rows.append(torch.cat(self._cur, dim=1))
+        self._cur = None
+
+    def __enter__(self):
+        for slot, (site, L, _, _) in enumerate(self.units.blocks()):
+            module, kind = _site_hook_target(self.lm, site, L)
+            h = self._make(slot, kind)
+            self._handles.append(module.register_forward_pre_hook(h) if kind == "input" else module.register_forward_hook(h))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        return False
+
+    def result(self) -> torch.Tensor:
+        return torch.cat(self._rows) if self._rows else torch.zeros(0, self.units.size, dtype=self.dtype)
+
+
+@contextlib.contextmanager
+def zero_units(lm: Loaded, units: Units, flat):
+    """Set the given units (flat indices of ``units``) to 0 at every position of every forward
+    pass while the block is active, prompt and KV-cached generation alike."""
+    flat = np.unique(np.asarray(flat, dtype=np.int64).reshape(-1))
+    site, layer, unit = units.split(flat)
+    by_block: dict[tuple[int, int], list[int]] = {}
+    for s, L, i in zip(site.tolist(), layer.tolist(), unit.tolist()):
+        by_block.setdefault((s, L), []).append(i)
+    handles = []
+
+    def zero(idx):
+        def f(x):
+            x = x.clone()
+            x[..., idx.to(x.device)] = 0
+            return x
+        return f
+
+    try:
+        for (s, L), idx in sorted(by_block.items()):
+            module, kind = _site_hook_target(lm, units.sites[s], L)
+            f = zero(torch.tensor(idx))
+            if kind == "input":
+                handles.append(module.register_forward_pre_hook(lambda m, args, f=f: (f(args[0]),) + tuple(args[1:])))
+            else:
+                handles.append(module.register_forward_hook(
+                    lambda m, args, out, f=f: f(out) if isinstance(out, torch.Tensor) else (f(out[0]),) + tuple(out[1:])))
+        yield flat
+    finally:
+        for h in handles:
+            h.remove()

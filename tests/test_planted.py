@@ -40,8 +40,8 @@ N_CONTROLS = 10  # random neuron sets per control distribution (rank p-value >= 
 IDENTIFICATION = verdict.Criterion(
     finding="lib's AP identification ranks a relation's neurons at the top",
     paper="C: relation-specific neurons are found by average precision",
-    effect="mean rank percentile of the planted neurons in relations.top_neurons' order for r, minus 0.5 (chance)",
-    threshold=0.4, control=f"{N_CONTROLS} layer-matched random neuron sets (relations.random_neurons)")
+    effect="mean rank percentile of the planted neurons' gate and up units in Study.top's order for r, minus 0.5 (chance)",
+    threshold=0.4, control=f"{N_CONTROLS} site-and-layer-matched random unit sets (relations.random_units)")
 DEACTIVATION = verdict.Criterion(
     finding="switching off r's top-AP neurons lowers recall of r",
     paper="C: deactivating relation-specific neurons lowers the relation's accuracy",
@@ -164,9 +164,9 @@ N_IDENT, N_TEST = 30, 40  # facts per relation
 N_PLANTED = 32  # neurons of the relation, all in the last layer (layer-matched controls draw from it)
 
 
-def fact_relations(lm: models.Loaded) -> dict[str, relations.Relation]:
+def fact_relations(lm: models.Loaded) -> dict[str, dict]:
     """Three relations of single-token subjects (distinct vocabulary words, seeded), each answered by
-    its own one-token object; identification and test facts disjoint."""
+    its own one-token object, as a facts dict for ``relations.setup`` (one shared template)."""
     vocab = lm.tokenizer.get_vocab()
     taken = set(TEMPLATE.split()) | set(GOLD.values())
     words = sorted(w for w, i in vocab.items() if 2000 < i < 29000 and w.isascii() and w.isalpha()
@@ -176,12 +176,12 @@ def fact_relations(lm: models.Loaded) -> dict[str, relations.Relation]:
     for j, name in enumerate(sorted(GOLD)):
         facts = [{"subject": words[i], "object": GOLD[name]}
                  for i in pick[j * (N_IDENT + N_TEST):(j + 1) * (N_IDENT + N_TEST)]]
-        out[name] = relations.Relation(name, [TEMPLATE], [], facts[:N_IDENT], facts[N_IDENT:])
+        out[name] = {"templates": [TEMPLATE], "samples": facts, "language": "en"}
     return out
 
 
 def relation_model(arm: str):
-    """(model, relations, planted neurons) for one arm:
+    """(model, facts, planted neurons) for one arm:
 
     planted  N_PLANTED neurons of the last layer fire on the relation's subject tokens (and on
              nothing else) and write its answer's unembedding: the model answers through them;
@@ -190,8 +190,8 @@ def relation_model(arm: str):
              model answers correctly with no neuron involved: knowing the relation is not enough.
     """
     lm = tiny_llama(intermediate_size=256)
-    rels = fact_relations(lm)
-    subjects = [token_id(lm, f["subject"]) for f in rels[RELATION].ident + rels[RELATION].test]
+    facts = fact_relations(lm)
+    subjects = [token_id(lm, f["subject"]) for f in facts[RELATION]["samples"]]
     planted = chosen_neurons(lm, lm.info.n_layers - 1, N_PLANTED, seed=1)
     answer = unembedding_direction(lm, GOLD[RELATION])
     if arm == "planted":
@@ -201,58 +201,73 @@ def relation_model(arm: str):
             lm.model.get_input_embeddings().weight[subjects] += 2.0 * answer
     elif arm != "random":
         raise ValueError(arm)
-    return lm, rels, planted
+    return lm, facts, planted
 
 
-def rank_percentiles(ap_r: torch.Tensor, neurons: np.ndarray) -> np.ndarray:
-    """1 - rank / n_neurons of each neuron in lib's order (best first; ties by position): 1 = top."""
-    order = relations.top_neurons(ap_r, ap_r.numel())  # [n_neurons, 2]
-    rank = {tuple(x): k for k, x in enumerate(order.tolist())}
-    return np.array([1 - rank[tuple(x)] / ap_r.numel() for x in np.asarray(neurons).tolist()])
+def planted_units(study: relations.Study, planted: np.ndarray) -> np.ndarray:
+    """Flat unit indices of the planted neurons at the gate and up sites (each one's output units)."""
+    out = []
+    for off_site, (site, L, off, w) in enumerate(study.units.blocks()):
+        if site in ("gate", "up"):
+            out += [off + i for Lp, i in planted.tolist() if Lp == L]
+    return np.sort(np.array(out, dtype=np.int64))
 
 
-def overlap(a: np.ndarray, b: np.ndarray) -> float:
-    return len(set(map(tuple, np.asarray(a).tolist())) & set(map(tuple, np.asarray(b).tolist()))) / len(a)
+def rank_percentiles(study: relations.Study, name: str, units: np.ndarray) -> np.ndarray:
+    """1 - rank / n_units of each unit in the study's order for ``name`` (best first): 1 = top."""
+    order = study.top(name, study.units.size)
+    rank = np.empty(study.units.size, dtype=np.int64)
+    rank[order] = np.arange(study.units.size)
+    return 1 - rank[np.asarray(units)] / study.units.size
 
 
 @pytest.fixture(scope="module", params=["planted", "random", "direct"])
 def relation_run(request):
-    """The notebooks' pipeline (11, 12) on one arm: identify, top-k, deactivate, random-k controls."""
+    """The notebooks' pipeline (relations.setup, the paper's protocol: up, gate and down units) on one
+    arm: screen, select, identify, top-k, deactivate, matched random-k controls."""
     arm = request.param
-    lm, rels, planted = relation_model(arm)
-    name = f"tiny-planted-{arm}"  # lib.relations caches by name: one name per model
-    ap = relations.identify(lm, name, rels, progress=False)  # [n_relations, n_layers, d_mlp]
-    ap_r = ap[list(rels).index(RELATION)]
-    top = relations.top_neurons(ap_r, N_PLANTED)
-    tests = relations.TestSet.of(rels).only(RELATION)
-    controls = {f"random{s}": relations.random_neurons(top, lm.info.n_layers, lm.info.d_mlp, seed=s)
-                for s in range(N_CONTROLS)}
-    runs = relations.deactivation_runs(lm, name, tests, {"top": top, **controls}, progress=False,
-                                       max_new_tokens=1, batch_size=64)
-    by = {c: g.sort_values("item") for c, g in runs.groupby("condition")}
-    return {"arm": arm, "lm": lm, "planted": planted, "ap_r": ap_r, "top": top, "by": by}
+    lm, facts, planted = relation_model(arm)
+    study = relations.setup(f"tiny-planted-{arm}", lm=lm, facts=facts, n_test=N_TEST, min_correct=20,
+                            max_ident=N_IDENT, k=2 * N_PLANTED, progress=False)
+    out = {"arm": arm, "lm": lm, "planted": planted, "study": study, "selected": RELATION in study.names}
+    if not out["selected"]:
+        return out
+    units = planted_units(study, planted)
+    top = study.top(RELATION)
+    runs = {"none": study.run(only=RELATION), "top": study.run(off=top, only=RELATION)}
+    for s in range(N_CONTROLS):
+        runs[f"random{s}"] = study.run(off=study.random_like(top, seed=s), only=RELATION)
+    out.update(units=units, top=top, by={c: df.sort_values("item") for c, df in runs.items()})
+    return out
 
 
 def test_identification_finds_planted_neurons(relation_run):
     r = relation_run
-    lm, planted, ap_r = r["lm"], r["planted"], r["ap_r"]
-    pct = rank_percentiles(ap_r, planted)
+    if r["arm"] == "random":  # the model does not know the relation: the pipeline must not select it
+        assert not r["selected"], r["study"].screen
+        return
+    assert r["selected"], r["study"].screen
+    study, units = r["study"], r["units"]
+    pct = rank_percentiles(study, RELATION, units)
     est = stats.bootstrap_mean(pct - 0.5)
-    sets = [relations.random_neurons(planted, lm.info.n_layers, lm.info.d_mlp, seed=s) for s in range(N_CONTROLS)]
-    ctl = [rank_percentiles(ap_r, s).mean() - 0.5 for s in sets]
-    v = verdict.decide(IDENTIFICATION, est, [verdict.require("planted neurons", len(planted), ">=", MIN_ITEMS)],
+    ctl = [rank_percentiles(study, RELATION, study.random_like(units, seed=s)).mean() - 0.5 for s in range(N_CONTROLS)]
+    v = verdict.decide(IDENTIFICATION, est, [verdict.require("planted units", len(units), ">=", MIN_ITEMS)],
                        stats.against_controls(est.value, ctl))
-    precision = overlap(r["top"], planted)  # share of lib's top-k that is planted
+    precision = len(set(r["top"].tolist()) & set(units.tolist())) / len(r["top"])  # share of the top-k that is planted
     if r["arm"] == "planted":
         assert v.verdict == "holds", v
         assert precision >= 0.9, precision
-    else:  # in the other arms the 'planted' indices are ordinary neurons
+    else:  # the 'planted' indices are ordinary neurons here
         assert v.verdict != "holds", v
         assert precision <= 0.25, precision
 
 
 def test_deactivation_lowers_recall_through_planted_neurons(relation_run):
     r = relation_run
+    if not r["selected"]:  # a random model does not know the relation: the test cannot run
+        v = verdict.decide(DEACTIVATION, None, [verdict.require("r selected (answered right often enough)", 0, ">=", 1)])
+        assert r["arm"] == "random" and v.verdict == "inconclusive" and "precondition not met" in v.reason, v
+        return
     by = r["by"]
     none, top = by["none"], by["top"]
     est = stats.paired_bootstrap(top["logprob"].to_numpy(), none["logprob"].to_numpy())

@@ -1,0 +1,172 @@
+"""Paper C's protocol pipeline (issue 16): MLP sites, one-pass answering, facts files and setup,
+on tiny random models."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from lib import hooks, metrics, models, relations
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _private_cache(tmp_path_factory):
+    from lib import paths
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(paths, "CACHE", tmp_path_factory.mktemp("study-cache"))
+        yield
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_units_index_round_trips_and_names_sites(family):
+    lm = models.tiny_random(family)
+    sites = ("up", "down") if family == "gpt2" else ("up", "gate", "down")
+    u = hooks.Units.of(lm, sites)
+    info = lm.info
+    assert u.size == info.n_layers * (info.d_mlp * (len(sites) - 1) + info.d_model)
+    flat = np.arange(u.size)
+    s, L, i = u.split(flat)
+    assert (np.bincount(s) == [info.n_layers * w for w in u.widths]).all()
+    assert L.max() == info.n_layers - 1 and (i < np.asarray(u.widths)[s]).all()
+    assert u.labels([0])[0] == "up:L0N0" and u.labels([u.size - 1])[0] == f"down:L{info.n_layers - 1}N{info.d_model - 1}"
+    assert len(np.unique(u.stratum(flat))) == len(sites) * info.n_layers
+    with pytest.raises(ValueError, match="out of range"):
+        u.split([u.size])
+    with pytest.raises(ValueError, match="unknown MLP site"):
+        hooks.Units.of(lm, ("mlp",))
+    if family == "gpt2":
+        with pytest.raises(ValueError, match="no 'gate'"):
+            hooks.Units.of(lm, ("gate",))
+
+
+def test_recorder_act_site_equals_mlp_recorder_and_zeroing_up_equals_zeroing_act():
+    lm = models.tiny_random("llama")
+    texts = ["the cat sat on the mat", "a dog", "hello there world"]
+    ref = hooks.mlp_activation_stats(lm, texts, pooled=True, progress=False).pooled  # [n, L, d_mlp]
+    u = hooks.Units.of(lm, ("act",))
+    got = relations.answer(lm, texts, ["x"] * 3, n_tokens=1, units=u, record=True).pooled
+    torch.testing.assert_close(got.float(), ref.reshape(3, -1), atol=2e-3, rtol=1e-2)  # fp16 storage
+    enc = hooks.encode(lm, texts[:1])
+    up = hooks.Units.of(lm, ("up", "gate", "down"))
+    with torch.no_grad():
+        base = lm.model(**enc).logits
+        with hooks.zero_units(lm, up, []):
+            same = lm.model(**enc).logits
+        with hooks.zero_units(lm, up, [1 * lm.info.d_mlp + 5]):  # up:L1N5
+            a = lm.model(**enc).logits
+        with hooks.intervene(lm, [(1, 5, "zero", 0.0)]):  # act:L1N5
+            b = lm.model(**enc).logits
+    torch.testing.assert_close(base, same)  # nothing off: identical output
+    assert not torch.allclose(base, a)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # act = act(gate) * up: 0 either way
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_answer_matches_generate(family):
+    lm = models.tiny_random(family)
+    prompts = ["the cat sat", "a dog", "hello there my good friend"]
+    gen = metrics.generate(lm, prompts, max_new_tokens=3, progress=False, score_tokens=[5, 6, 7])
+    golds = [gen.continuations[0], "zzzz", gen.continuations[2][:2] or "q"]
+    a = relations.answer(lm, prompts, golds, n_tokens=3, rule="starts")
+    assert a.continuation == gen.continuations
+    assert a.correct.tolist() == [relations.matches(c, g, "starts") for c, g in zip(gen.continuations, golds)]
+    t = [relations.gold_first_token(lm, g) for g in golds]
+    g2 = metrics.generate(lm, prompts, max_new_tokens=1, progress=False, score_tokens=t)
+    np.testing.assert_allclose(a.logprob, g2.first_token_logprob, atol=1e-4)
+    assert a.rank.tolist() == g2.first_token_rank
+    u = hooks.Units.of(lm, ("up", "down"))
+    off = relations.answer(lm, prompts, golds, n_tokens=3, units=u, off=np.arange(u.size))
+    assert len(off.continuation) == 3
+    with pytest.raises(ValueError, match="units"):
+        relations.answer(lm, prompts, golds, off=[1])
+
+
+@pytest.mark.parametrize("cont,gold,rule,ok", [
+    (" Tok", "Tokyo", "prefix", True), (" Paris,", "Paris", "prefix", True), (" Pa", "Paris", "starts", False),
+    (" Paris is", "Paris", "starts", True), (" Lyon", "Paris", "prefix", False), ("  ", "Paris", "prefix", False),
+    (" The city", "Paris", "prefix", False)])
+def test_matches(cont, gold, rule, ok):
+    assert relations.matches(cont, gold, rule) is ok
+
+
+def test_matches_rejects_unknown_rule():
+    with pytest.raises(ValueError, match="rule"):
+        relations.matches("a", "a", "exact")
+
+
+def write_facts(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+    return path
+
+
+def test_read_facts_format_and_errors(tmp_path):
+    rows = [{"subject": f"s{i}", "relation": "r1", "object": "o", "templates": ["{} is", "about {}:"], "language": "en"}
+            for i in range(3)] + [{"subject": "t", "relation": "r2", "object": "p", "template": "{} ->"}]
+    f = relations.read_facts(write_facts(tmp_path / "f.jsonl", rows))
+    assert sorted(f) == ["r1", "r2"] and f["r1"]["templates"] == ["{} is", "about {}:"] and len(f["r1"]["samples"]) == 3
+    assert f["r2"]["language"] == "en" and f["r2"]["samples"] == [{"subject": "t", "object": "p"}]
+    bad = {"missing field": [{"subject": "s", "relation": "r"}],
+           "one '{}'": [{"subject": "s", "relation": "r", "object": "o", "template": "no slot"}],
+           "mixes languages": [{**rows[0]}, {**rows[1], "language": "de"}],
+           "not JSON": None}
+    for what, content in bad.items():
+        p = tmp_path / "bad.jsonl"
+        if content is None:
+            p.write_text("{not json\n")
+        else:
+            write_facts(p, content)
+        with pytest.raises(ValueError, match="needs|one|mixes|not JSON"):
+            relations.read_facts(p)
+    with pytest.raises(FileNotFoundError, match="data/README.md"):
+        relations.read_facts(tmp_path / "nope.jsonl")
+
+
+def test_split_by_id_is_aligned_and_disjoint():
+    en = [{"subject": f"q{i} en", "object": "a", "id": i} for i in range(40)]
+    fr = [{"subject": f"q{i} fr", "object": "a", "id": i} for i in reversed(range(40))]
+    a, b = relations.split_by_id(en, 10, 0, 20, seed=3), relations.split_by_id(fr, 10, 0, 20, seed=3)
+    assert [f["id"] for f in a[1]] == [f["id"] for f in b[1]]  # the same test facts in both languages
+    assert not {f["id"] for f in a[1]} & {f["id"] for f in a[2]} and len(a[2]) == 20
+    assert relations.split_by_id(en, 10, 0, 5, seed=3)[1] == a[1]  # the test split does not depend on max_ident
+
+
+def test_random_units_match_site_and_layer_blocks():
+    lm = models.tiny_random("llama")
+    u = hooks.Units.of(lm, ("up", "gate", "down"))
+    like = np.array([0, 1, 2, u.size - 1, u.size - 2, lm.info.d_mlp * lm.info.n_layers + 7])
+    r = relations.random_units(u, like, seed=1)
+    assert sorted(u.stratum(r).tolist()) == sorted(u.stratum(like).tolist())
+    assert not set(r.tolist()) & set(like.tolist())
+    assert np.array_equal(r, relations.random_units(u, like, seed=1))
+    assert not np.array_equal(r, relations.random_units(u, like, seed=2))
+
+
+def test_setup_runs_on_a_user_facts_file_and_refuses_bad_settings(tmp_path):
+    lm = models.tiny_random("llama")
+    rows = [{"subject": f"w{i}", "relation": rel, "object": "the", "templates": ["{} is", "of {} we say"]}
+            for rel in ("ra", "rb") for i in range(12)]
+    f = write_facts(tmp_path / "mine.jsonl", rows)
+    study = relations.setup("tiny", lm=lm, facts=str(f), n_test=4, min_correct=1, max_ident=8, progress=False)
+    assert set(study.screen.index) == {"ra", "rb"}
+    assert (study.screen["test facts"] == 4).all() and (study.screen["identification facts screened"] == 8).all()
+    for name in study.names:  # whatever the random model answers, the pieces fit together
+        pos, neg = study.ident_rows[name]
+        assert len(pos) >= 1 and 0 < len(neg) <= 4 * len(pos)
+        assert (study.row_relation[pos] == name).all() and (study.row_relation[neg] != name).all()
+        assert study.row_correct[pos].all()
+        top = study.top(name)
+        assert len(top) == study.k and len(set(top.tolist())) == study.k
+    assert study.k == round(relations.PROTOCOLS["paper"].k_fraction * study.units.size) or study.k == 1
+    df = study.run()
+    assert len(df) == len(study.tests.prompts) and df["logprob"].le(0).all()
+    again = relations.setup("tiny", lm=lm, facts=str(f), n_test=4, min_correct=1, max_ident=8, progress=False)
+    assert again.fingerprint == study.fingerprint and torch.equal(again.ap, study.ap)  # from the cache
+    with pytest.raises(ValueError, match="unknown setting"):
+        relations.setup("tiny", lm=lm, facts=str(f), n_tset=4)
+    with pytest.raises(ValueError, match="protocol"):
+        relations.setup("tiny", lm=lm, facts=str(f), protocol="mine")
+    with pytest.raises(ValueError, match="n_test must be a positive integer"):
+        relations.setup("tiny", lm=lm, facts=str(f), n_test=0)
+    with pytest.raises(ValueError, match="unknown relations"):
+        relations.setup("tiny", lm=lm, facts=str(f), relations="ra,zz")

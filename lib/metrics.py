@@ -232,7 +232,8 @@ def average_precision(scores: np.ndarray | torch.Tensor, labels: Sequence[int] |
     backend 'sklearn' (default) calls scikit-learn column by column; 'torch' computes the same
     number (ties handled as scikit-learn does: tied scores enter together) for all columns at once,
     which is what tens of thousands of neurons need. With 'torch', ``labels`` may also be
-    [n_examples, n_tasks] (one detection task per column, sharing one sort): returns [n_tasks, n_units]."""
+    [n_examples, n_tasks] (one detection task per column, sharing one sort): returns [n_tasks, n_units];
+    there a label of -1 leaves the example out of that task (tasks with different negatives)."""
     from sklearn.metrics import average_precision_score
 
     if backend not in ("sklearn", "torch"):
@@ -246,7 +247,9 @@ def average_precision(scores: np.ndarray | torch.Tensor, labels: Sequence[int] |
     if y.ndim == 2 and backend != "torch":
         raise ValueError("labels with one column per task need backend='torch'")
     y2 = y.reshape(len(y), -1)
-    if (y2.min(0) == y2.max(0)).any():
+    if not np.isin(y2, (0, 1) if backend == "sklearn" or y.ndim == 1 else (-1, 0, 1)).all():
+        raise ValueError("labels must be 1 (positive) or 0 (negative); -1 (left out) only in [n, tasks] labels")
+    if not ((y2 == 1).any(0) & (y2 == 0).any(0)).all():
         raise ValueError("labels must contain both positives and negatives")
     if backend == "torch":
         ap = _average_precision_torch(torch.from_numpy(s), torch.from_numpy(y2))  # [tasks, units]
@@ -259,9 +262,8 @@ def _average_precision_torch(s: torch.Tensor, y: torch.Tensor, chunk: int = 8192
     descending score): scikit-learn's step-wise precision-recall sum. s [n, units], y [n, tasks]
     -> [tasks, units]; the sort is shared by the tasks."""
     n = s.shape[0]
-    yf = y.float()
+    yf, nf = (y == 1).float(), (y == 0).float()  # -1: left out of the task
     pos = yf.sum(0)  # [tasks]
-    ranks = torch.arange(1, n + 1, dtype=torch.float32).unsqueeze(1)
     out = []
     for c0 in range(0, s.shape[1], chunk):
         vals, order = torch.sort(s[:, c0:c0 + chunk].float(), dim=0, descending=True, stable=True)  # [n, u]
@@ -271,8 +273,9 @@ def _average_precision_torch(s: torch.Tensor, y: torch.Tensor, chunk: int = 8192
         nxt = torch.flip(torch.cummin(torch.flip(idx, [0]), 0).values, [0])  # last index of each tie group
         rows = []
         for t in range(yf.shape[1]):
-            lab = yf[:, t][order]  # [n, u]
-            prec = lab.cumsum(0) / ranks  # exact: counts below 2**24
+            lab, neg = yf[:, t][order], nf[:, t][order]  # [n, u]
+            tp = lab.cumsum(0)
+            prec = tp / (tp + neg.cumsum(0)).clamp_min(1)  # exact counts below 2**24
             rows.append((lab * prec.gather(0, nxt)).sum(0) / pos[t])
         out.append(torch.stack(rows))
     return torch.cat(out, 1).double().numpy()

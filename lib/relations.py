@@ -472,6 +472,12 @@ class Answers:
                              "logprob": self.logprob})
 
 
+def _cache_of(out):
+    """The KV cache of a forward's output (``cache`` in transformers 5, ``past_key_values`` before)."""
+    c = getattr(out, "cache", None)
+    return c if c is not None else getattr(out, "past_key_values", None)
+
+
 @torch.inference_mode()
 def answer(lm: Loaded, prompts: Sequence[str], golds: Sequence[str], n_tokens: int = 2, rule: str = "prefix",
            units: "hooks.Units | None" = None, off=None, record: bool = False, batch_size: int = 64,
@@ -505,7 +511,9 @@ def answer(lm: Loaded, prompts: Sequence[str], golds: Sequence[str], n_tokens: i
     order = sorted(range(n), key=lambda i: (len(ids[i]), i))
     new = [[] for _ in range(n)]
     rank, lp = np.zeros(n, dtype=int), np.zeros(n)
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    sig = inspect.signature(model.forward).parameters
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in sig else {}
+    cache_arg = "cache" if "cache" in sig else "past_key_values"  # transformers 5 renamed the KV cache argument
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     eos = {tok.eos_token_id} - {None}  # the tokenizer's and the model's end-of-text ids, as generate() stops at
     gc_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -534,12 +542,12 @@ def answer(lm: Loaded, prompts: Sequence[str], golds: Sequence[str], n_tokens: i
             lp[chunk] = (t_logit[:, 0] - torch.logsumexp(logits, -1)).cpu().numpy()
             nxt = logits.argmax(-1)
             steps = [nxt]
-            past = out.past_key_values
+            past = _cache_of(out)
             for _ in range(n_tokens - 1):
                 attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
                 out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=attn.sum(-1, keepdim=True) - 1,
-                            past_key_values=past, use_cache=True)
-                past = out.past_key_values
+                            use_cache=True, **{cache_arg: past})
+                past = _cache_of(out)
                 nxt = out.logits[:, -1].argmax(-1)
                 steps.append(nxt)
             toks = torch.stack(steps, 1).tolist()
@@ -737,12 +745,8 @@ class Study:
     def top(self, name: str, k: int | None = None) -> np.ndarray:
         """Flat unit indices of ``name``'s top-k by AvgPrec, ties broken by the standardised difference
         of mean responses (then, only where both tie exactly, by index)."""
-        k = self.k if k is None else k
-        if not isinstance(k, (int, np.integer)) or not 0 < k <= self.units.size:
-            raise ValueError(f"k must be in 1..{self.units.size}, got {k!r}")
         j = self.names.index(name)
-        a, t = self.ap[j].double().numpy(), self.tiebreak[j].double().numpy()
-        return np.lexsort((np.arange(a.size), -t, -a))[:k]
+        return top_of(self.ap[j], self.tiebreak[j], self.k if k is None else k)
 
     def random_like(self, like, seed: int, exclude=None) -> np.ndarray:
         return random_units(self.units, like, seed, exclude)
@@ -776,14 +780,50 @@ class Study:
         the one scoring function, also for permuted labels or other negative sets."""
         return _score(self.pooled, positives, negatives)
 
+    def ap_many(self, tasks: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`score_many` on ``pooled``: many (positives, negatives) tasks over one shared sort."""
+        return score_many(self.pooled, tasks)
+
+
+def score_many(pooled: torch.Tensor, tasks: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(AvgPrec, tie-break) [n_tasks, units] of rows of ``pooled`` for (positive rows, negative rows)
+    tasks, with one sort of the rows shared by every task (a row outside a task is left out of it).
+    The tie-break is the standardised difference of mean responses, positives minus negatives, over
+    the task's rows. The one scoring function of paper C: identification, permuted labels, other
+    negative sets."""
+    if not len(tasks):
+        raise ValueError("score_many needs at least one (positives, negatives) task")
+    rows = np.unique(np.concatenate([np.r_[np.asarray(p), np.asarray(q)] for p, q in tasks]).astype(np.int64))
+    at = np.full(int(rows.max()) + 1, -1)
+    at[rows] = np.arange(len(rows))
+    y = np.full((len(rows), len(tasks)), -1)
+    for t, (p, q) in enumerate(tasks):
+        if len(np.intersect1d(p, q)):
+            raise ValueError(f"task {t}: a row is both positive and negative")
+        y[at[np.asarray(q, dtype=np.int64)], t] = 0
+        y[at[np.asarray(p, dtype=np.int64)], t] = 1
+    x = pooled[torch.from_numpy(rows)].float()  # [n, units]
+    ap = torch.from_numpy(metrics.average_precision(x, y, backend="torch")).float().reshape(len(tasks), -1)
+    P, M = torch.from_numpy((y == 1).astype(np.float64)), torch.from_numpy((y >= 0).astype(np.float64))
+    x64 = x.double()
+    s_pos, s_all, ss_all = P.T @ x64, M.T @ x64, M.T @ (x64 * x64)  # [tasks, units]
+    n_pos, n_all = P.sum(0)[:, None], M.sum(0)[:, None]
+    var = ((ss_all - s_all ** 2 / n_all) / (n_all - 1)).clamp_min(0)
+    tie = (s_pos / n_pos - (s_all - s_pos) / (n_all - n_pos)) / var.sqrt().clamp_min(1e-8)
+    return ap, tie.float()
+
 
 def _score(pooled: torch.Tensor, pos: np.ndarray, neg: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = np.concatenate([pos, neg])
-    x = pooled[torch.from_numpy(rows)].float()
-    y = np.r_[np.ones(len(pos), int), np.zeros(len(neg), int)]
-    ap = torch.from_numpy(metrics.average_precision(x, y, backend="torch")).float()
-    d = (x[:len(pos)].mean(0) - x[len(pos):].mean(0)) / x.std(0).clamp_min(1e-8)
-    return ap, d
+    ap, tie = score_many(pooled, [(pos, neg)])
+    return ap[0], tie[0]
+
+
+def top_of(ap: torch.Tensor, tie: torch.Tensor, k: int) -> np.ndarray:
+    """Flat indices of the k best units by AvgPrec ``ap`` [units], ties broken by ``tie`` (then, only
+    where both tie exactly, by index): the order of :meth:`Study.top`."""
+    if not isinstance(k, (int, np.integer)) or not 0 < k <= ap.numel():
+        raise ValueError(f"k must be in 1..{ap.numel()}, got {k!r}")
+    return np.lexsort((np.arange(ap.numel()), -tie.double().numpy(), -ap.double().numpy()))[:k]
 
 
 def random_units(units: "hooks.Units", like, seed: int, exclude=None) -> np.ndarray:
@@ -834,7 +874,8 @@ def setup(model_name: str = "smollm2-135m", device: str = "auto", seed: int = 0,
         relations = [s.strip() for s in relations.split(",") if s.strip()]
     pool = _facts_from(facts, relations)
     if len(pool) < 2:
-        raise ValueError(f"{len(pool)} relation(s) given; AvgPrec needs at least two (the others are the negatives)")
+        raise ValueError(f"the facts or candidate_relations names {len(pool)} relation(s); AvgPrec needs at least two "
+                         "(the others are the negatives)")
     lm = lm or models.load(model_name, device=device)
     if not lm.info.is_causal:
         raise ValueError(f"relation recall needs a decoder; {model_name} is an encoder")
@@ -1088,3 +1129,23 @@ def ap_by_tokens(study: "Study", name: str, parts: Sequence[str] = ("subject", "
         return out
     return build() if not use_cache else cache.get_or_build("relation-token-ap", study.model_name, params, build)
 # ============================================================================ end of the template check
+
+
+# ============================================================================= KLAR: the same test facts in another language (notebook 13)
+
+
+def klar_aligned_tests(study: Study, lang: str) -> TestSet:
+    """The test prompts of a KLAR ``study`` (built with ``facts=klar_facts(...)``) asked in ``lang``:
+    for each selected relation the same test facts, matched by KLAR line id, in the same order as
+    ``study.tests`` (so outcomes pair item by item), with the study's test template and its
+    demonstrations (also matched by id). Raises where ``lang`` lacks a fact's line."""
+    pool = klar_facts(lang, study.names) if study.names else {}
+    out = {}
+    for name, r in study.relations.items():
+        by_id = {f["id"]: f for f in pool[name]["samples"]}
+        missing = [f["id"] for f in r.demos + r.test if f.get("id") not in by_id]
+        if missing:
+            raise ValueError(f"{lang} has no KLAR line for {len(missing)} of {name}'s facts (ids {missing[:5]})")
+        out[name] = Relation(name, list(r.templates), [by_id[f["id"]] for f in r.demos], [],
+                             [by_id[f["id"]] for f in r.test], r.test_template)
+    return TestSet.of(out) if out else TestSet([], [], np.array([], dtype=str))

@@ -170,3 +170,65 @@ def test_setup_runs_on_a_user_facts_file_and_refuses_bad_settings(tmp_path):
         relations.setup("tiny", lm=lm, facts=str(f), n_test=0)
     with pytest.raises(ValueError, match="unknown relations"):
         relations.setup("tiny", lm=lm, facts=str(f), relations="ra,zz")
+
+
+@pytest.mark.parametrize("stem", ["11_relation_specific_neurons"])
+def test_notebook_runs_on_a_user_facts_file(tmp_path, stem):
+    """Issue 16 item 8: `facts=` replaces LRE in a notebook. A tiny random model knows none of the facts,
+    so nothing is selected: the notebook must still run to its verdict ("inconclusive")."""
+    import papermill
+
+    from lib import paths
+
+    folder = tmp_path / "tiny-llama"
+    models.tiny_random("llama", folder=folder)
+    rows = [{"subject": f"w{i}", "relation": rel, "object": "zebra", "templates": ["{} is", "of {} we say"]}
+            for rel in ("ra", "rb") for i in range(20)]
+    f = write_facts(tmp_path / "mine.jsonl", rows)
+    out = tmp_path / "out.ipynb"
+    env_cache = tmp_path / "cache"
+    import os
+    old = {k: os.environ.get(k) for k in ("COMPENDIUM_CACHE", "COMPENDIUM_PROGRESS")}
+    os.environ.update({"COMPENDIUM_CACHE": str(env_cache), "COMPENDIUM_PROGRESS": "0"})
+    try:
+        papermill.execute_notebook(str(paths.NOTEBOOKS / f"{stem}.ipynb"), str(out), cwd=str(paths.NOTEBOOKS),
+                                   parameters={"model_name": str(folder), "device": "cpu", "facts": str(f),
+                                               "overrides": {"n_test": 5, "min_correct": 1, "max_ident": 10}},
+                                   progress_bar=False, kernel_name="python3")
+    finally:
+        import shutil
+
+        for d in (paths.RESULTS / paths.slug(str(folder)), paths.FIGURES / paths.slug(str(folder))):
+            shutil.rmtree(d, ignore_errors=True)  # the run's records and figures: not the repository's
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    text = out.read_text(encoding="utf-8")
+    assert "ra" in text and "rb" in text  # the screen table names the user's relations
+    assert "inconclusive" in text or "holds" in text
+
+
+def test_score_many_equals_one_task_at_a_time_and_sklearn():
+    from sklearn.metrics import average_precision_score
+
+    g = torch.Generator().manual_seed(0)
+    pooled = torch.randn(30, 50, generator=g).half()
+    pooled[:, :5] = pooled[:, :5].round()  # ties
+    tasks = [(np.arange(0, 6), np.arange(10, 30)), (np.arange(6, 10), np.r_[0:3, 20:30]), (np.r_[25:30], np.arange(0, 8))]
+    ap, tie = relations.score_many(pooled, tasks)
+    assert ap.shape == tie.shape == (3, 50)
+    for t, (p, q) in enumerate(tasks):
+        a1, t1 = relations._score(pooled, p, q)
+        torch.testing.assert_close(ap[t], a1)
+        x = pooled[np.r_[p, q]].float().numpy()
+        y = np.r_[np.ones(len(p)), np.zeros(len(q))]
+        ref = [average_precision_score(y, x[:, u]) for u in range(50)]
+        np.testing.assert_allclose(ap[t].numpy(), ref, atol=1e-5)
+        d = (x[:len(p)].mean(0) - x[len(p):].mean(0)) / x.std(0, ddof=1)
+        np.testing.assert_allclose(tie[t].numpy(), d, rtol=1e-4, atol=1e-5)
+    top = relations.top_of(ap[0], tie[0], 7)
+    assert len(set(top.tolist())) == 7 and ap[0][top].min() >= ap[0].sort(descending=True).values[6] - 1e-9
+    with pytest.raises(ValueError, match="both positive and negative"):
+        relations.score_many(pooled, [(np.arange(3), np.arange(2, 6))])

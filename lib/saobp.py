@@ -255,11 +255,33 @@ def active(lm: models.Loaded, capture: Callable | None = None):
 # ----------------------------------------------------------------------------- streamed statistics
 
 
+def without_sink(probs: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sink mass [b, h, q], probs with the sink removed and renormalised [b, h, q, k], their valid
+    mask): the sink is each row's first visible key (the first real token for left-padded decoders,
+    [CLS] for BERT)."""
+    p = probs.float()
+    b, h, q, k = p.shape
+    v = torch.ones(b, 1, q, k, dtype=torch.bool, device=p.device) if valid is None else valid.to(p.device)
+    first = v.int().argmax(-1, keepdim=True)  # [b, 1|h, q, 1]: the first visible key
+    sink = torch.zeros_like(v).scatter_(-1, first, True) & v
+    mass = (p * sink).sum(-1)
+    v2 = v & ~sink
+    rest = p.masked_fill(~v2, 0.0)
+    rest = rest / rest.sum(-1, keepdim=True).clamp_min(1e-30)
+    return mass, rest, v2
+
+
 class AttentionStats:
     """Per-layer, per-head running means over sequences of normalised / raw entropy, GTD_2hop and
-    (for SAOBP) GTD_msg. Use as ``capture`` of :func:`active` (or of :func:`hooks.attention`)."""
+    (for SAOBP) GTD_msg. Use as ``capture`` of :func:`active` (or of :func:`hooks.attention`).
 
-    METRICS = ("entropy", "entropy_norm", "gtd_2hop", "gtd_msg")
+    The attention-sink variant: ``sink_mass`` is the attention each query puts on its first visible key
+    (the first real token: BOS or [CLS], the usual sink), and ``entropy_norm_nosink`` the normalised
+    entropy of the row with that key removed and the rest renormalised (over the other visible keys;
+    queries that see only the sink are skipped), so a fall in entropy that is only a growing sink
+    shows as a fall in ``entropy_norm`` but not in ``entropy_norm_nosink``."""
+
+    METRICS = ("entropy", "entropy_norm", "gtd_2hop", "gtd_msg", "sink_mass", "entropy_norm_nosink")
 
     def __init__(self, n_layers: int, n_heads: int, keep_sequences: bool = False):
         self.sums = {m: torch.zeros(n_layers, n_heads, dtype=torch.float64) for m in self.METRICS}
@@ -287,6 +309,9 @@ class AttentionStats:
         self._add("entropy", L, raw)
         self._add("entropy_norm", L, norm)
         self._add("gtd_2hop", L, gtd_2hop(probs.detach(), None if valid is None else valid.detach()))
+        mass, rest, rest_valid = without_sink(probs.detach(), None if valid is None else valid.detach())
+        self._add("sink_mass", L, (mass * qm[:, None]).sum(-1) / qm[:, None].sum(-1).clamp_min(1))
+        self._add("entropy_norm_nosink", L, metrics.attention_entropy(rest, rest_valid, qm)[1])
 
     def observe(self, scores, M, valid, layer: int):
         self._add("gtd_msg", int(layer), gtd_msg(scores.detach(), M.detach(), valid))

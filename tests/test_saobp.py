@@ -145,8 +145,24 @@ def test_attention_stats_match_the_metrics_function(tiny_fam):
         torch.testing.assert_close(stats.per_head("entropy")[L].float(), raw.mean(0), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(stats.per_head("entropy_norm")[L].float(), norm.mean(0), atol=1e-5, rtol=1e-5)
     tab = stats.table()
-    assert list(tab.columns) == ["entropy", "entropy_norm", "gtd_2hop", "gtd_msg", "collapsed_frac"]
+    assert list(tab.columns) == ["entropy", "entropy_norm", "gtd_2hop", "gtd_msg", "sink_mass", "entropy_norm_nosink",
+                                 "collapsed_frac"]
     assert tab["gtd_msg"].isna().all()  # no SAOBP attached: no messages
+    assert tab["sink_mass"].between(0, 1).all() and tab["entropy_norm_nosink"].between(0, 1 + 1e-6).all()
+
+
+def test_without_sink_drops_the_first_visible_key_and_renormalises():
+    probs = torch.tensor([[0.7, 0.2, 0.1, 0.0], [0.0, 0.5, 0.25, 0.25]]).reshape(2, 1, 1, 4)
+    valid = torch.tensor([[True, True, True, False], [False, True, True, True]]).reshape(2, 1, 1, 4)  # row 2 left-padded
+    mass, rest, v2 = saobp.without_sink(probs, valid)
+    torch.testing.assert_close(mass.flatten(), torch.tensor([0.7, 0.5]))
+    torch.testing.assert_close(rest.reshape(2, 4), torch.tensor([[0.0, 2 / 3, 1 / 3, 0.0], [0.0, 0.0, 0.5, 0.5]]))
+    assert v2.reshape(2, 4).tolist() == [[False, True, True, False], [False, False, True, True]]
+    # planted: a sink with 90% of the mass and a uniform rest has low entropy, and none once the sink is removed
+    p = torch.tensor([0.9] + [0.1 / 7] * 7).reshape(1, 1, 1, 8)
+    _, norm = metrics.attention_entropy(p)
+    _, norm_rest = metrics.attention_entropy(*saobp.without_sink(p, None)[1:])
+    assert norm.item() < 0.3 and norm_rest.item() == pytest.approx(1.0)
 
 
 def test_learnable_J_gets_gradients_and_fixed_J_does_not(tiny_fam):

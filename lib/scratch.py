@@ -89,7 +89,12 @@ def compact_vocab(tokenizer, id_lists: Sequence[Sequence[int]], size: int) -> Vo
     return Vocab(mapping, n, unk, int(mapping[pad_old]) if pad_old is not None else unk)
 
 
-SIZES = {"tiny": (2, 128), "small": (4, 256), "mini": (1, 64)}  # name -> (layers, d_model)
+SIZES = {"tiny": (2, 128), "small": (4, 256), "mini": (1, 64), "narrow": (4, 64)}  # name -> (layers, d_model)
+
+
+def size_order(names: Sequence[str]) -> list[str]:
+    """Size names from the smallest model up (layers x d_model^2, the blocks' weight count up to a constant)."""
+    return sorted(names, key=lambda s: (SIZES[s][0] * SIZES[s][1] ** 2, SIZES[s]))
 
 
 def small_model(family: str, n_layers: int, d_model: int, vocab: Vocab, tokenizer, num_labels: int | None = None,
@@ -160,13 +165,23 @@ def encode_lm(tokenizer, texts: Sequence[str], seq_len: int, vocab: Vocab | None
 class TrainLog:
     losses: list[float] = field(default_factory=list)
     seconds_per_step: float = float("nan")
+    curve: list[dict] = field(default_factory=list)  # {step, entropy_norm, sink_mass: per layer} on the probe inputs
 
 
 def train(lm: models.Loaded, enc: dict, steps: int, batch_size: int = 32, lr: float = 1e-3,
-          j_lr: float = 0.05, seed: int = 0, progress: bool = False, desc: str = "train") -> TrainLog:
+          j_lr: float = 0.05, seed: int = 0, progress: bool = False, desc: str = "train",
+          probe: dict | None = None, probe_every: int = 0) -> TrainLog:
     """AdamW on random mini-batches (seeded) of ``enc`` (must hold ``labels``), through :func:`active`.
 
-    J of an attached SAOBP gets its own learning rate ``j_lr`` (it would barely move at the model's)."""
+    J of an attached SAOBP gets its own learning rate ``j_lr`` (it would barely move at the model's).
+    ``probe`` (an encoding) and ``probe_every`` > 0: the attention statistics of the probe inputs before
+    the first step, every ``probe_every`` steps and after the last go into ``TrainLog.curve`` (in eval
+    mode, without gradients and without touching any random generator, so the training is the same)."""
+
+    def measure(step: int):
+        st = attention_stats(lm, probe, batch_size=32)
+        tab = st.table()
+        log.curve.append({"step": step, "entropy_norm": tab["entropy_norm"].tolist(), "sink_mass": tab["sink_mass"].tolist()})
 
     if not torch.is_grad_enabled():
         raise RuntimeError("training needs autograd: call repro.setup(seed, grad=True) first")
@@ -181,8 +196,14 @@ def train(lm: models.Loaded, enc: dict, steps: int, batch_size: int = 32, lr: fl
     log = TrainLog()
     model.train()
     t0 = time.perf_counter()
+    probing = probe is not None and probe_every > 0
+    spent = 0.0  # seconds in the probe, left out of seconds_per_step
     with active(lm):
-        for _ in repro.bar(range(steps), desc=desc, progress=progress):
+        for step in repro.bar(range(steps), desc=desc, progress=progress):
+            if probing and step % probe_every == 0:
+                t1 = time.perf_counter()
+                measure(step)
+                spent += time.perf_counter() - t1
             idx = torch.randint(0, n, (batch_size,), generator=gen)
             batch = {k: v.to(lm.device) for k, v in trim({k: v[idx] for k, v in enc.items()}).items()}
             loss = model(**batch, **no_cache(lm)).loss
@@ -190,9 +211,23 @@ def train(lm: models.Loaded, enc: dict, steps: int, batch_size: int = 32, lr: fl
             loss.backward()
             opt.step()
             log.losses.append(loss.item())
-    log.seconds_per_step = (time.perf_counter() - t0) / max(1, steps)
+    log.seconds_per_step = (time.perf_counter() - t0 - spent) / max(1, steps)
+    if probing:
+        measure(steps)
     model.eval()
     return log
+
+
+def unigram_perplexity(train_enc: dict, dev_enc: dict, vocab_size: int) -> float:
+    """The perplexity of dev tokens under the training tokens' unigram frequencies (add-one smoothed,
+    over the same compact vocabulary and the same next-token targets as :func:`accuracy_or_perplexity`):
+    the bar an LM must clear to have learned anything beyond token frequencies."""
+    ids = train_enc["input_ids"][train_enc["attention_mask"].bool()] if "attention_mask" in train_enc else train_enc["input_ids"].reshape(-1)
+    p = torch.bincount(ids.reshape(-1), minlength=vocab_size).double() + 1.0
+    logp = (p / p.sum()).log()
+    tgt = dev_enc["labels"][:, 1:]
+    tgt = tgt[tgt >= 0]
+    return float(math.exp(-logp[tgt].mean()))
 
 
 def accuracy_or_perplexity(lm: models.Loaded, enc: dict, batch_size: int = 64) -> dict:
@@ -274,18 +309,23 @@ def scratch_tokenizer(task: str, encoder: str = "minilm-l6", decoder: str = "smo
 def scratch_run(task: str, size: str, seed: int, variant: str, steps: int, batch_size: int = 16,
                 max_length: int = 40, lr: float = 1e-3, j_lr: float = 0.05, J: float = DEFAULT_J,
                 vocab_size: int = 3000, n_stats: int = 64, n_eval: int | None = None, progress: bool = False,
-                encoder: str = "minilm-l6", decoder: str = "smollm2-135m", j_mode: str = "repulsive") -> dict:
+                encoder: str = "minilm-l6", decoder: str = "smollm2-135m", j_mode: str = "repulsive",
+                curve_every: int = 0) -> dict:
     """Train a from-scratch model (BERT classifier, or Llama LM for task 'LM') of ``size`` (see
     :data:`SIZES`) with ``variant`` 'baseline', 'saobp' (learnable J from ``J``) or 'saobp-fixed';
     evaluate on dev and measure attention statistics on ``n_stats`` dev examples. Cached (lib.cache).
 
     j_mode: 'repulsive' (J = -softplus(theta), J < 0 by construction; ``J`` must be < 0) or 'free' (the
-    earlier unconstrained J). The baseline ignores ``J`` and ``j_mode``.
+    earlier unconstrained J). The baseline ignores ``J`` and ``j_mode``. ``curve_every`` > 0: the
+    training curve of the attention statistics on the first ``n_stats`` dev examples (``"curve"``, see
+    :func:`train`). LM runs also return the dev set's unigram perplexity (``metrics["unigram_perplexity"]``,
+    :func:`unigram_perplexity`), the bar for "learned".
 
     Cache key: kind 'saobp-scratch' (kept from when this lived in lib.saobp). A baseline's key records
     J = 0.0 (the plain model) whatever ``J`` is, and a 'free' run's key has no ``j_mode`` entry, so both
     keep the keys they had before the repulsive mode existed; a 'repulsive' run's key adds
-    ``j_mode='repulsive'``."""
+    ``j_mode='repulsive'``. Version 2: results hold the sink metrics, the curve and the LM's unigram
+    perplexity (version-1 artifacts lack them, so they are built again)."""
     from lib import cache
 
     if size not in SIZES:
@@ -300,10 +340,12 @@ def scratch_run(task: str, size: str, seed: int, variant: str, steps: int, batch
     params = dict(task=task, size=SIZES[size], seed=seed, variant=variant, steps=steps, batch_size=batch_size,
                   max_length=max_length, lr=lr, j_lr=j_lr, J=0.0 if variant == "baseline" else J,
                   vocab_size=vocab_size, n_stats=n_stats,
-                  n_eval=n_eval, tokenizer=decoder if task == "LM" else encoder, version=1,
+                  n_eval=n_eval, tokenizer=decoder if task == "LM" else encoder, version=2,
                   data=cache.content_hash(task_source(task)))  # edited train or dev rows: trained again
     if variant != "baseline" and j_mode != "free":  # 'free' keeps its earlier key (see the docstring)
         params["j_mode"] = j_mode
+    if curve_every:
+        params["curve_every"] = curve_every
 
     def build():
         tok = scratch_tokenizer(task, encoder, decoder)
@@ -312,14 +354,17 @@ def scratch_run(task: str, size: str, seed: int, variant: str, steps: int, batch
         L, d = SIZES[size]
         lm = small_model("llama" if task == "LM" else "bert", L, d, vocab, tok, num_labels=n_labels, seed=seed,
                          max_positions=max(128, max_length), saobp=modes[variant], J=J, j_mode=j_mode)
-        with torch.enable_grad():
-            log = train(lm, tr, steps, batch_size, lr, j_lr, seed, progress, desc=f"{task} {size} {variant} s{seed}")
-        scores = accuracy_or_perplexity(lm, dev)
         sub = {k: v[:n_stats] for k, v in dev.items()}
+        with torch.enable_grad():
+            log = train(lm, tr, steps, batch_size, lr, j_lr, seed, progress, desc=f"{task} {size} {variant} s{seed}",
+                        probe=sub, probe_every=curve_every)
+        scores = accuracy_or_perplexity(lm, dev)
+        if task == "LM":
+            scores["unigram_perplexity"] = unigram_perplexity(tr, dev, vocab.size)
         st = attention_stats(lm, sub, batch_size=32)
         mod = get(lm)
         return {"params": params, "metrics": scores, "seconds_per_step": log.seconds_per_step, "losses": log.losses,
-                "table": st.table(), "per_head": {m: st.per_head(m) for m in AttentionStats.METRICS},
+                "table": st.table(), "per_head": {m: st.per_head(m) for m in AttentionStats.METRICS}, "curve": log.curve,
                 "J": None if mod is None else mod.J.detach().clone()}
 
     return cache.get_or_build("saobp-scratch", "scratch", params, build)

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from lib import hooks, metrics, models, saobp, scratch
+from lib import hooks, metrics, models, repro, saobp, scratch
 
 PAD_TEXTS = ["the cat sat on the mat today", "a b", "hello there my friend"]
 
@@ -221,6 +221,31 @@ def test_small_models_train_and_evaluate():
     with pytest.raises(RuntimeError, match="autograd"):
         with torch.no_grad():
             scratch.train(lm, lm_enc, steps=1)
+
+
+def test_training_curve_probe_leaves_the_training_unchanged():
+    tok = models.tiny_random("bert").tokenizer
+    df = scratch.synthetic_multihop(48, seed=0)
+    vocab = scratch.compact_vocab(tok, scratch.encode_classification(tok, df, 32)["input_ids"].tolist(), 50)
+    enc = scratch.encode_lm(tok, df["text_a"].tolist(), 16, vocab)
+    logs = []
+    for probe_every in (0, 2):
+        repro.setup(0, grad=True)
+        lm = scratch.small_model("llama", 2, 32, vocab, tok, seed=0, saobp="learnable", J=-1.0)
+        logs.append(scratch.train(lm, enc, steps=5, batch_size=4, seed=0, probe={k: v[:6] for k, v in enc.items()},
+                                  probe_every=probe_every))
+        torch.set_grad_enabled(False)
+    assert logs[0].losses == logs[1].losses  # the probe draws no random numbers and runs without dropout
+    assert logs[0].curve == [] and [c["step"] for c in logs[1].curve] == [0, 2, 4, 5]
+    assert all(len(c["entropy_norm"]) == 2 and all(0 <= x <= 1 for x in c["sink_mass"]) for c in logs[1].curve)
+
+
+def test_unigram_perplexity_and_size_order():
+    train_enc = {"input_ids": torch.tensor([[0, 0, 0, 1]]), "attention_mask": torch.ones(1, 4, dtype=torch.long)}
+    dev_enc = {"labels": torch.tensor([[2, 0, 1]])}  # targets 0 and 1 (the first position predicts nothing)
+    p = torch.tensor([4.0, 2.0, 1.0]) / 7  # add-one counts over a vocabulary of 3
+    assert scratch.unigram_perplexity(train_enc, dev_enc, 3) == pytest.approx(float(torch.exp(-(p[0].log() + p[1].log()) / 2)))
+    assert scratch.size_order(["small", "tiny", "narrow", "mini"]) == ["mini", "narrow", "tiny", "small"]
 
 
 # ----------------------------------------------------------------------------- repulsive by construction

@@ -148,6 +148,28 @@ def encode_classification(tokenizer, df: pd.DataFrame, max_length: int, vocab: V
     return out
 
 
+def encode_matched(tokenizer, df: pd.DataFrame, length: int, n: int) -> dict:
+    """The first ``n`` rows of ``df`` that fill all ``length`` tokens (special tokens included) once
+    truncated to it: every example of the result has exactly ``length`` real tokens (notebook 09's
+    matched-length comparison). Fewer rows when fewer are long enough."""
+    enc = encode_classification(tokenizer, df, length)
+    full = torch.nonzero(enc["attention_mask"].sum(1) == length).flatten()[:n]
+    return {k: v[full] for k, v in enc.items()}
+
+
+def shuffle_tokens(enc: dict, special_ids: Sequence[int], seed: int) -> dict:
+    """The same examples with each one's ordinary tokens permuted at random (seeded) among their own
+    positions; special tokens ([CLS], [SEP], padding) stay where they are, and so do token types and the
+    mask. Same length and same tokens, order destroyed: the null for an order-dependent statistic."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = enc["input_ids"].clone()
+    fixed = torch.isin(ids, torch.tensor(sorted(set(int(i) for i in special_ids)))) | (enc["attention_mask"] == 0)
+    for r in range(len(ids)):
+        pos = torch.nonzero(~fixed[r]).flatten()
+        ids[r, pos] = ids[r, pos[torch.randperm(len(pos), generator=gen)]]
+    return {**enc, "input_ids": ids}
+
+
 def encode_lm(tokenizer, texts: Sequence[str], seq_len: int, vocab: Vocab | None = None) -> dict:
     """Concatenate texts (EOS between) and cut into unpadded chunks of ``seq_len`` tokens."""
     ids = []

@@ -3,6 +3,7 @@ tiny random models and by hand."""
 import math
 import re
 
+import pandas as pd
 import pytest
 import torch
 
@@ -221,6 +222,19 @@ def test_small_models_train_and_evaluate():
     with pytest.raises(RuntimeError, match="autograd"):
         with torch.no_grad():
             scratch.train(lm, lm_enc, steps=1)
+
+
+def test_matched_length_and_shuffled_tokens():
+    tok = models.tiny_random("bert").tokenizer
+    df = pd.DataFrame({"text_a": ["a b c d e f g h", "a b", "h g f e d c b a x y", "c d e f g h a b"], "text_b": None, "label": 0})
+    enc = scratch.encode_matched(tok, df, 6, n=2)
+    assert enc["input_ids"].shape == (2, 6) and bool((enc["attention_mask"] == 1).all())
+    assert enc["labels"].tolist() == [0, 0]  # rows 0 and 2: 'a b' is too short
+    sh = scratch.shuffle_tokens(enc, tok.all_special_ids, seed=0)
+    assert torch.equal(sh["input_ids"][:, [0, -1]], enc["input_ids"][:, [0, -1]])  # [CLS] ... [SEP] in place
+    assert all(sorted(a.tolist()) == sorted(b.tolist()) for a, b in zip(sh["input_ids"], enc["input_ids"]))  # same tokens
+    assert not torch.equal(sh["input_ids"], enc["input_ids"])  # order changed
+    assert torch.equal(sh["input_ids"], scratch.shuffle_tokens(enc, tok.all_special_ids, seed=0)["input_ids"])
 
 
 def test_training_curve_probe_leaves_the_training_unchanged():

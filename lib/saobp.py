@@ -276,7 +276,8 @@ class AttentionStats:
     (for SAOBP) GTD_msg. Use as ``capture`` of :func:`active` (or of :func:`hooks.attention`).
 
     The attention-sink variant: ``sink_mass`` is the attention each query puts on its first visible key
-    (the first real token: BOS or [CLS], the usual sink), and ``entropy_norm_nosink`` the normalised
+    (the first real token: BOS or [CLS], the usual sink; in a decoder the first query, which sees only that
+    key, counts with mass 1), and ``entropy_norm_nosink`` the normalised
     entropy of the row with that key removed and the rest renormalised (over the other visible keys;
     queries that see only the sink are skipped), so a fall in entropy that is only a growing sink
     shows as a fall in ``entropy_norm`` but not in ``entropy_norm_nosink``."""

@@ -255,6 +255,22 @@ def active(lm: models.Loaded, capture: Callable | None = None):
 # ----------------------------------------------------------------------------- streamed statistics
 
 
+def thirds(n_layers: int) -> tuple[list[int], list[int]]:
+    """(first third, last third) of the layer indices, at least one layer each: the depth comparison of
+    notebooks 07, 08 and 10."""
+    k = max(1, n_layers // 3)
+    return list(range(k)), list(range(n_layers - k, n_layers))
+
+
+def depth_fall(per_layer) -> np.ndarray | float:
+    """07's statistic: the mean of the last third of the layers minus that of the first third, over the
+    last axis of ``per_layer`` ([..., n_layers], e.g. per text); negative = falls with depth, 0 for one layer."""
+    x = np.asarray(per_layer, dtype=float)
+    first, last = thirds(x.shape[-1])
+    out = x[..., last].mean(-1) - x[..., first].mean(-1)
+    return float(out) if out.ndim == 0 else out
+
+
 def without_sink(probs: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sink mass [b, h, q], probs with the sink removed and renormalised [b, h, q, k], their valid
     mask): the sink is each row's first visible key (the first real token for left-padded decoders,

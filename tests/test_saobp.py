@@ -3,6 +3,7 @@ tiny random models and by hand."""
 import math
 import re
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -150,6 +151,13 @@ def test_attention_stats_match_the_metrics_function(tiny_fam):
                                  "collapsed_frac"]
     assert tab["gtd_msg"].isna().all()  # no SAOBP attached: no messages
     assert tab["sink_mass"].between(0, 1).all() and tab["entropy_norm_nosink"].between(0, 1 + 1e-6).all()
+
+
+def test_thirds_and_depth_fall():
+    assert saobp.thirds(6) == ([0, 1], [4, 5]) and saobp.thirds(1) == ([0], [0]) and saobp.thirds(30)[1][0] == 20
+    assert saobp.depth_fall([0.9, 0.8, 0.5, 0.4, 0.2, 0.1]) == pytest.approx(0.15 - 0.85)
+    assert saobp.depth_fall([0.7]) == 0.0  # one layer: nothing to compare
+    np.testing.assert_allclose(saobp.depth_fall(np.array([[1.0, 0.5, 0.0], [0.0, 0.5, 1.0]])), [-1.0, 1.0])
 
 
 def test_without_sink_drops_the_first_visible_key_and_renormalises():

@@ -208,7 +208,12 @@ def prepare_embedded(name: str = "smollm2-135m", force: bool = False) -> Path:
         )
         if force and out.exists():
             shutil.rmtree(out)
-        tmp.rename(out)
+        try:
+            tmp.rename(out)
+        except OSError:
+            # another process (e.g. a scratch_runs worker) prepared the same folder meanwhile: keep its copy
+            if not (out / "config.json").exists():
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

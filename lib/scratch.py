@@ -3,7 +3,8 @@
 The training toolkit around the reconstructed refinement of :mod:`lib.saobp`: a synthetic two-hop QA
 task, a compact vocabulary, randomly initialised BERT classifiers and Llama LMs of a few sizes
 (:data:`SIZES`), encoders for classification and LM data, a training loop, evaluation, one cached
-from-scratch run (:func:`scratch_run`, notebooks 09 and 10) and one cached fine-tune of a pretrained
+from-scratch run (:func:`scratch_run`; :func:`scratch_runs` builds many in worker processes; notebooks
+07, 09 and 10, with notebook 10's recipe :data:`LM_RECIPE`) and one cached fine-tune of a pretrained
 encoder with or without SAOBP (:func:`finetune`, notebook 08).
 
 The training loop (:func:`train`) is a plain seeded AdamW loop, not ``transformers.Trainer``: the models
@@ -12,10 +13,13 @@ things, which are a few lines each here and would each be an override or a callb
 learning rate of its own for SAOBP's J (it barely moves at the model's), every forward pass inside
 :func:`lib.saobp.active` (the refinement and the eager attention function), and seeded random
 mini-batches that both arms of a comparison share. Trainer's machinery (checkpointing, logging,
-evaluation loops, distributed training, mixed precision) is not needed at this size.
+evaluation loops, distributed training, mixed precision) is not needed at this size. Each from-scratch
+run trains on one CPU thread; two cores are used by running two at a time (:func:`scratch_runs`).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import random
 import time
@@ -89,7 +93,16 @@ def compact_vocab(tokenizer, id_lists: Sequence[Sequence[int]], size: int) -> Vo
     return Vocab(mapping, n, unk, int(mapping[pad_old]) if pad_old is not None else unk)
 
 
-SIZES = {"tiny": (2, 128), "small": (4, 256), "mini": (1, 64), "narrow": (4, 64)}  # name -> (layers, d_model)
+SIZES = {"tiny": (2, 128), "small": (4, 256), "mini": (1, 64), "narrow": (4, 64), "wide": (1, 128),
+         "deep": (6, 64)}  # name -> (layers, d_model)
+
+# The from-scratch LM recipe of notebook 10 (its parameters cell holds the same literals, checked by a
+# test), shared with notebook 07's from-scratch baselines so that both read one cached run per size,
+# seed and arm. Chosen from baseline-only probes (notebook 10 states the history): every size learns (dev
+# perplexity about half the unigram bar), and the 6-layer 'deep' baseline's deep-layer entropy falls
+# below its first layers' with training (07's statistic, mean over 10 seeds: +0.16 at step 100, +0.03 at
+# 250, -0.08 at 400).
+LM_RECIPE = dict(task="LM", steps=400, batch_size=16, max_length=32, lr=2e-3, vocab_size=1000, curve_every=50)
 
 
 def size_order(names: Sequence[str]) -> list[str]:
@@ -319,8 +332,10 @@ def task_data(task: str, tokenizer, max_length: int, vocab_size: int, n_eval: in
     return tr, dev, vocab
 
 
+@functools.lru_cache(maxsize=4)
 def scratch_tokenizer(task: str, encoder: str = "minilm-l6", decoder: str = "smollm2-135m"):
-    """The (embedded) encoder's tokenizer for the BERT classifiers, the decoder's for the Llama LM."""
+    """The (embedded) encoder's tokenizer for the BERT classifiers, the decoder's for the Llama LM.
+    Loaded once per process (a notebook's loop of runs shares it)."""
     import transformers as tf
 
     name = decoder if task == "LM" else encoder
@@ -328,11 +343,21 @@ def scratch_tokenizer(task: str, encoder: str = "minilm-l6", decoder: str = "smo
     return models._prepare_tokenizer(tf.AutoTokenizer.from_pretrained(folder), "causal" if task == "LM" else "encoder")
 
 
+@functools.lru_cache(maxsize=8)
+def _run_data(task: str, encoder: str, decoder: str, max_length: int, vocab_size: int, n_eval: int | None,
+              data_hash: str):
+    """:func:`task_data` for :func:`scratch_run`, built once per process and setting: every seed and arm
+    of a notebook's loop trains on the same encodings (tokenising the LM corpus took about 2 s a run).
+    Nothing downstream writes into these tensors (batches are indexed copies). ``data_hash`` (the task
+    source's content hash, also in the run's cache key) keys the memo, so edited rows are read again."""
+    return task_data(task, scratch_tokenizer(task, encoder, decoder), max_length, vocab_size, n_eval)
+
+
 def scratch_run(task: str, size: str, seed: int, variant: str, steps: int, batch_size: int = 16,
                 max_length: int = 40, lr: float = 1e-3, j_lr: float = 0.05, J: float = DEFAULT_J,
                 vocab_size: int = 3000, n_stats: int = 64, n_eval: int | None = None, progress: bool = False,
                 encoder: str = "minilm-l6", decoder: str = "smollm2-135m", j_mode: str = "repulsive",
-                curve_every: int = 0) -> dict:
+                curve_every: int = 0, where: bool = False) -> dict:
     """Train a from-scratch model (BERT classifier, or Llama LM for task 'LM') of ``size`` (see
     :data:`SIZES`) with ``variant`` 'baseline', 'saobp' (learnable J from ``J``) or 'saobp-fixed';
     evaluate on dev and measure attention statistics on ``n_stats`` dev examples. Cached (lib.cache).
@@ -347,7 +372,11 @@ def scratch_run(task: str, size: str, seed: int, variant: str, steps: int, batch
     J = 0.0 (the plain model) whatever ``J`` is, and a 'free' run's key has no ``j_mode`` entry, so both
     keep the keys they had before the repulsive mode existed; a 'repulsive' run's key adds
     ``j_mode='repulsive'``. Version 2: results hold the sink metrics, the curve and the LM's unigram
-    perplexity (version-1 artifacts lack them, so they are built again)."""
+    perplexity (version-1 artifacts lack them, so they are built again). Version 3: every run trains
+    on one CPU thread (:func:`one_thread`), so a run's numbers do not depend on COMPENDIUM_THREADS or on
+    whether :func:`scratch_runs` built it in a worker process.
+
+    ``where=True``: return the run's cache file (a Path, which may not exist yet) instead of the run."""
     from lib import cache
 
     if size not in SIZES:
@@ -362,34 +391,97 @@ def scratch_run(task: str, size: str, seed: int, variant: str, steps: int, batch
     params = dict(task=task, size=SIZES[size], seed=seed, variant=variant, steps=steps, batch_size=batch_size,
                   max_length=max_length, lr=lr, j_lr=j_lr, J=0.0 if variant == "baseline" else J,
                   vocab_size=vocab_size, n_stats=n_stats,
-                  n_eval=n_eval, tokenizer=decoder if task == "LM" else encoder, version=2,
+                  n_eval=n_eval, tokenizer=decoder if task == "LM" else encoder, version=3,
                   data=cache.content_hash(task_source(task)))  # edited train or dev rows: trained again
     if variant != "baseline" and j_mode != "free":  # 'free' keeps its earlier key (see the docstring)
         params["j_mode"] = j_mode
     if curve_every:
         params["curve_every"] = curve_every
+    if where:
+        return cache.path("saobp-scratch", "scratch", params, ".pt")
 
     def build():
         tok = scratch_tokenizer(task, encoder, decoder)
-        tr, dev, vocab = task_data(task, tok, max_length, vocab_size, n_eval)
+        tr, dev, vocab = _run_data(task, encoder, decoder, max_length, vocab_size, n_eval, params["data"])
         n_labels = None if task == "LM" else int(max(int(tr["labels"].max()), int(dev["labels"].max())) + 1)
         L, d = SIZES[size]
         lm = small_model("llama" if task == "LM" else "bert", L, d, vocab, tok, num_labels=n_labels, seed=seed,
                          max_positions=max(128, max_length), saobp=modes[variant], J=J, j_mode=j_mode)
         sub = {k: v[:n_stats] for k, v in dev.items()}
-        with torch.enable_grad():
-            log = train(lm, tr, steps, batch_size, lr, j_lr, seed, progress, desc=f"{task} {size} {variant} s{seed}",
-                        probe=sub, probe_every=curve_every)
-        scores = accuracy_or_perplexity(lm, dev)
+        with one_thread():
+            with torch.enable_grad():
+                log = train(lm, tr, steps, batch_size, lr, j_lr, seed, progress, desc=f"{task} {size} {variant} s{seed}",
+                            probe=sub, probe_every=curve_every)
+            scores = accuracy_or_perplexity(lm, dev)
+            st = attention_stats(lm, sub, batch_size=32)
         if task == "LM":
             scores["unigram_perplexity"] = unigram_perplexity(tr, dev, vocab.size)
-        st = attention_stats(lm, sub, batch_size=32)
         mod = get(lm)
         return {"params": params, "metrics": scores, "seconds_per_step": log.seconds_per_step, "losses": log.losses,
                 "table": st.table(), "per_head": {m: st.per_head(m) for m in AttentionStats.METRICS}, "curve": log.curve,
                 "J": None if mod is None else mod.J.detach().clone()}
 
     return cache.get_or_build("saobp-scratch", "scratch", params, build)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one CPU thread within the block (the previous count restored after). The from-scratch
+    models are so small that a second thread speeds a step up by under 20%; two runs in two processes
+    (:func:`scratch_runs`) use the two cores far better, and a one-thread run gives the same numbers
+    whatever the machine's thread setting."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def _build_in_worker(config: dict) -> str:
+    import os
+    import warnings
+
+    # A worker writes to the caller's terminal (or the notebook cell) directly: no bars, no library warnings
+    os.environ["COMPENDIUM_PROGRESS"] = "0"
+    warnings.filterwarnings("ignore")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    torch.set_grad_enabled(False)
+    scratch_run(**config)
+    return str(scratch_run(**config, where=True))
+
+
+def scratch_runs(configs: Sequence[dict], workers: int | None = None, progress: bool = False,
+                 desc: str = "scratch runs") -> list[dict]:
+    """:func:`scratch_run` for each config (a dict of its keyword arguments), in the given order.
+
+    Runs not yet in the cache are built first, ``workers`` at a time in separate processes (default:
+    COMPENDIUM_THREADS, 2 unless set; each trains on one thread, see :func:`one_thread`), and saved to
+    the cache as they finish, so an interrupted loop keeps every finished run. ``workers=1`` builds them
+    in this process. The numbers are the same either way. Workers are started with "spawn": a script
+    that calls this needs the ``if __name__ == "__main__":`` guard (a notebook does not)."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    configs = [dict(c) for c in configs]
+    n = repro.env_threads() if workers is None else workers
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"workers must be a positive integer, got {workers!r}")
+    todo = [c for c in configs if not scratch_run(**c, where=True).exists()]
+    if n > 1 and len(todo) > 1:
+        for name in sorted({c.get("decoder", "smollm2-135m") if c["task"] == "LM" else c.get("encoder", "minilm-l6") for c in todo}):
+            models.prepare_embedded(name)  # once, here, rather than by every worker at the same time
+        with cf.ProcessPoolExecutor(min(n, len(todo)), mp_context=mp.get_context("spawn")) as ex:
+            futures = [ex.submit(_build_in_worker, c) for c in todo]
+            for f in repro.bar(cf.as_completed(futures), total=len(futures), desc=desc, progress=progress):
+                f.result()  # a failed run raises here, with its worker's traceback
+        todo = []
+    out = []
+    for c in repro.bar(configs, desc=desc, progress=progress and bool(todo)):
+        out.append(scratch_run(**c))
+    return out
 
 
 # ----------------------------------------------------------------------------- one cached fine-tune (notebook 08)

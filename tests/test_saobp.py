@@ -347,3 +347,42 @@ def test_invalid_modes_and_shapes_raise():
     with pytest.raises(ValueError, match="J < 0"):
         scratch.scratch_run("SST-2", "mini", 0, "saobp", steps=1, J=0.0)
 
+
+
+def test_notebook_10_defaults_are_the_shared_lm_recipe():
+    """07 trains the baselines of scratch.LM_RECIPE and 10 reuses them from the cache: 10's parameter
+    defaults must be that recipe, or 07 would show other models than 10 compares."""
+    from lib import params
+
+    spec = params._parameters("10_saobp_small_scale_gains")
+    for k in ("steps", "batch_size", "max_length", "lr", "vocab_size", "curve_every"):
+        assert spec[k][1] == scratch.LM_RECIPE[k], k
+    assert spec["tasks"][1] == [scratch.LM_RECIPE["task"]]
+    assert spec["collapse_size"][1] in spec["sizes"][1]
+    assert set(params._parameters("07_attention_entropy_collapse")["scratch_sizes"][1]) == set(spec["sizes"][1])
+
+
+def test_scratch_runs_in_worker_processes_give_the_same_runs(tmp_path, monkeypatch):
+    """Two workers and one process build the same numbers (every run trains on one thread), cached
+    runs are not built again, and bad worker counts raise."""
+    from lib import paths
+
+    configs = [dict(task="LM", size="mini", seed=s, variant=v, steps=2, n_stats=4, n_eval=8, vocab_size=50)
+               for s, v in ((0, "baseline"), (0, "saobp"))]
+    out = {}
+    models_dir = paths.CACHE / "models"  # the prepared embedded models, shared (converting them again takes a minute)
+    for workers in (2, 1):
+        cache_dir = tmp_path / f"cache{workers}"
+        if models_dir.is_dir():
+            cache_dir.mkdir()
+            (cache_dir / "models").symlink_to(models_dir, target_is_directory=True)
+        monkeypatch.setenv("COMPENDIUM_CACHE", str(cache_dir))  # the workers read it at import
+        monkeypatch.setattr(paths, "CACHE", cache_dir)
+        out[workers] = scratch.scratch_runs(configs, workers=workers)
+        assert all(scratch.scratch_run(**c, where=True).exists() for c in configs)
+    for a, b in zip(out[2], out[1]):
+        assert a["losses"] == b["losses"] and a["metrics"] == b["metrics"]
+        pd.testing.assert_frame_equal(a["table"], b["table"])
+    assert scratch.scratch_runs(configs, workers=2)[0]["losses"] == out[1][0]["losses"]  # from the cache
+    with pytest.raises(ValueError, match="workers must be a positive integer"):
+        scratch.scratch_runs(configs, workers=0)

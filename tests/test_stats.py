@@ -1,6 +1,7 @@
 """lib.stats against the obvious answers and against scipy/statsmodels computed directly."""
 import numpy as np
 import pytest
+import scipy.stats
 from scipy import stats as st
 
 from lib import stats
@@ -95,6 +96,15 @@ def test_minimum_detectable_effects():
     assert stats.mde_paired_binary(1000, discordant=0.1) > stats.mde_paired_binary(1000)
     e = stats.Estimate(0.0, -0.1, 0.1, 50)
     assert stats.mde_from_interval(e) == pytest.approx(0.2 / 3.92 * 2.80, rel=0.01)
+
+
+def test_across_seeds_gives_the_t_interval_of_the_mean():
+    v = np.array([-0.2, 0.05, -0.05, -0.11, 0.03, 0.12, -0.15, -0.09, -0.07, -0.01])
+    s = stats.across_seeds(v)
+    half = scipy.stats.t.ppf(0.975, v.size - 1) * v.std(ddof=1) / np.sqrt(v.size)
+    assert s.estimate.value == pytest.approx(v.mean())
+    assert (s.estimate.low, s.estimate.high) == pytest.approx((v.mean() - half, v.mean() + half))
+    assert s.estimate.width > stats.bootstrap_mean(v).width  # the BCa bootstrap over 10 seeds is narrower (under-covers)
 
 
 def test_across_seeds_zero_spread_has_zero_width():

@@ -43,14 +43,18 @@ reproduce: $(STAMP) $(KERNEL_CFG) ## run the notebooks through Snakemake (MODEL=
 workflow-dry-run: $(STAMP) ## list every notebook x model job of the full grid (nothing runs)
 	$(VENV)/bin/snakemake -n --forceall --config run=all
 
-test: test-lib test-notebooks ## pytest on lib/, then nbval on every notebook
+# `make test` runs pytest on lib/ and nbval on each notebook as separate jobs, WORKERS at a time (default:
+# COMPENDIUM_THREADS, 2 unless set; each job gets COMPENDIUM_THREADS / WORKERS threads), a notebook only
+# after the notebooks whose cached artifacts it reuses (lib/runner.py: NEEDS, TEST_AFTER).
+WORKERS ?=
+test: $(STAMP) $(KERNEL_CFG) ## pytest on lib/ and nbval on every notebook, two jobs at a time (WORKERS=1: one by one)
+	HF_HUB_OFFLINE=1 $(PY) -m lib.runner test $(if $(WORKERS),--workers $(WORKERS))
 
 test-lib: $(STAMP) ## pytest on lib/ with tiny random models of every family
 	HF_HUB_OFFLINE=1 $(PY) -m pytest tests -q
 
-test-notebooks: $(STAMP) $(KERNEL_CFG) ## nbval on every notebook in notebooks/
-	cd notebooks && HF_HUB_OFFLINE=1 COMPENDIUM_PROGRESS=0 HF_HUB_DISABLE_PROGRESS_BARS=1 ../$(PY) -m pytest --nbval-lax --nbval-current-env \
-	  --nbval-sanitize-with ../tests/nbval_sanitize.cfg -p no:cacheprovider -q *.ipynb
+test-notebooks: $(STAMP) $(KERNEL_CFG) ## nbval on every notebook in notebooks/ (NOTEBOOKS=07,10: a subset), as make test does
+	HF_HUB_OFFLINE=1 $(PY) -m lib.runner test --no-lib $(if $(WORKERS),--workers $(WORKERS)) $(if $(NOTEBOOKS),--notebooks '$(NOTEBOOKS)')
 
 # Each notebook at COMPENDIUM_THREADS=1 and 2 (papermill, default parameters, in a copy of the tree under
 # a temporary folder); fails with a diff when a key-number cell (# NBVAL_CHECK_OUTPUT) prints differently.

@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(workflow.basedir)
 sys.path.insert(0, str(ROOT))
 from lib import paths  # noqa: E402
-from lib.runner import parameter_defaults  # noqa: E402
+from lib.runner import NEEDS, parameter_defaults  # noqa: E402
 
 configfile: str(ROOT / "config" / "models.yaml")
 
@@ -33,22 +33,8 @@ PY = shlex.quote(sys.executable)  # the Python that runs Snakemake (the compendi
 NB_DIR = Path(config.get("notebooks_dir", ROOT / "notebooks")).resolve()
 PARAMS_DIR = ROOT / "params"
 
-# Which notebook's executed copy (and so its cached artifacts) each notebook needs, by number.
-NEEDS = {
-    # paper A: probe -> preference pairs + DPO model -> neuron statistics -> patching / editing
-    "02": ["01"],        # DPO pairs are scored with 01's toxicity probe
-    "03": ["02"],        # toxic neurons vs the DPO model's change; builds the activation statistics
-    "04": ["02", "03"],  # four neuron groups: DPO model + 03's activation statistics
-    "05": ["02", "03"],  # group patching replicates DPO: DPO model + the same statistics
-    "06": ["02"],        # activation editing compared with the DPO model
-    # paper B: 07 stands alone; 09 and 10 reuse the models 08 trains
-    "09": ["08"],
-    "10": ["08"],
-    # paper C: relation-specific neuron statistics -> deactivation experiments
-    "12": ["11"],
-    "13": ["11"],
-    "14": ["11"],
-}
+# Which notebook's executed copy (and so its cached artifacts) each notebook needs, by number: lib/runner.py
+# (NEEDS), shared with `make test`'s scheduler.
 
 NUMBERED = re.compile(r"^(\d\d)_[a-z0-9_]+$")
 NOTEBOOKS = {p.stem: p for p in sorted(NB_DIR.glob("*.ipynb")) if NUMBERED.match(p.stem)}

@@ -6,6 +6,7 @@
     python -m lib.runner merge            # results/claims.md: every model's verdicts side by side
     python -m lib.runner recover          # after a killed run: stale Snakemake lock, leftover .partial files
     python -m lib.runner stability --notebooks 00   # key-number cells at 1 and 2 threads (make test-stability)
+    python -m lib.runner test             # make test: pytest on lib/ + nbval per notebook, 2 jobs at once
     python -m lib.runner kernel-config    # quiet the kernel's "TCP without encryption" warning (make setup)
 
 Executed copies go to results/<model>/<notebook>.ipynb, wall time and peak memory to
@@ -37,6 +38,33 @@ from lib import paths, repro
 from lib.cache import atomic_write_text
 
 NUMBERED = re.compile(r"^\d\d_[a-z0-9_]+\.ipynb$")
+
+
+# Which notebook's executed copy (and so its cached artifacts) each notebook needs, by number (the
+# Snakefile's job order, and `make test`'s: see nbval_schedule).
+NEEDS = {
+    # paper A: probe -> preference pairs + DPO model -> neuron statistics -> patching / editing
+    "02": ["01"],        # DPO pairs are scored with 01's toxicity probe
+    "03": ["02"],        # toxic neurons vs the DPO model's change; builds the activation statistics
+    "04": ["02", "03"],  # four neuron groups: DPO model + 03's activation statistics
+    "05": ["02", "03"],  # group patching replicates DPO: DPO model + the same statistics
+    "06": ["02"],        # activation editing compared with the DPO model
+    # paper B: 07 stands alone; 09 and 10 reuse the models 08 trains
+    "09": ["08"],
+    "10": ["08"],
+    # paper C: relation-specific neuron statistics -> deactivation experiments
+    "12": ["11"],
+    "13": ["11"],
+    "14": ["11"],
+}
+# Extra order for `make test` only: 10 reuses the from-scratch runs 07 trains (lib.scratch caches
+# them by their recipe, not by the notebook's model), which the Snakefile cannot express because its
+# dependencies never cross models (07's default model is smollm2-135m, 10's minilm-l6).
+TEST_AFTER = {"10": ["07"]}
+# Rough seconds per notebook at one thread (README's table), only to start long chains first; a
+# notebook missing here counts 100 s, the pytest run on lib/ ("tests") 170 s.
+TEST_WEIGHTS = {"00": 32, "01": 196, "02": 576, "03": 411, "04": 84, "05": 257, "06": 459, "07": 470,
+                "08": 82, "09": 129, "10": 475, "11": 493, "12": 270, "13": 206, "14": 24, "tests": 170}
 
 
 def numbered_notebooks() -> list[Path]:
@@ -462,6 +490,112 @@ def _stability_runs(notebooks: list[Path], threads: tuple[int, ...], fresh_cache
     return report
 
 
+# ----------------------------------------------------------------------------- make test: a scheduler
+
+
+def test_graph(names: list[str]) -> dict[str, list[str]]:
+    """{job: the jobs it waits for} for `make test`'s jobs: notebook numbers ('00'..) and 'tests'.
+    Edges are NEEDS and TEST_AFTER, restricted to ``names``; a missing notebook is replaced by what it
+    would itself need (as in the Snakefile), so the order survives a selection."""
+    have = set(names)
+
+    def deps(n, seen=()):
+        out = set()
+        for d in NEEDS.get(n, []) + TEST_AFTER.get(n, []):
+            if d in seen:
+                continue
+            out |= {d} if d in have else deps(d, (*seen, n))
+        return out
+
+    return {n: sorted(deps(n)) for n in names}
+
+
+def test_order(graph: dict[str, list[str]], weights: dict[str, float] | None = None) -> dict[str, float]:
+    """Each job's priority: its weight plus the heaviest chain of jobs that wait for it (critical
+    path), so the long chains start first. Raises on a cycle."""
+    weights = TEST_WEIGHTS if weights is None else weights
+    after = {n: [m for m, ds in graph.items() if n in ds] for n in graph}
+    memo: dict[str, float] = {}
+
+    def rank(n, stack=()):
+        if n in stack:
+            raise ValueError(f"the test jobs depend on each other in a cycle: {' -> '.join((*stack, n))}")
+        if n not in memo:
+            memo[n] = float(weights.get(n, 100)) + max((rank(m, (*stack, n)) for m in after[n]), default=0.0)
+        return memo[n]
+
+    return {n: rank(n) for n in graph}
+
+
+def test_command(job: str) -> list[str]:
+    """The command of one job: pytest on lib/ ('tests'), or nbval on one notebook (the Makefile's flags)."""
+    if job == "tests":
+        return [sys.executable, "-m", "pytest", str(paths.ROOT / "tests"), "-q", "-p", "no:cacheprovider"]
+    (nb,) = select_notebooks(job)
+    return [sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", "--nbval-sanitize-with",
+            str(SANITIZE_CFG), "-p", "no:cacheprovider", "-q", str(nb)]
+
+
+def run_tests(jobs: list[str], workers: int | None = None, log_dir: Path | None = None,
+              command=test_command) -> dict[str, tuple[int, float]]:
+    """Run the test jobs (notebook numbers, 'tests') in ``workers`` processes at once, each with
+    COMPENDIUM_THREADS = total // workers (total: COMPENDIUM_THREADS, 2 unless set; workers default to
+    it), a job only after the jobs it waits for (:func:`test_graph`), the longest chain first.
+    Returns {job: (exit code, seconds)}. Each job's output goes to <log_dir>/<job>.log and is printed
+    whole when the job fails. Every notebook's key numbers print the same at 1 and 2 threads (make
+    test-stability), so the split changes how long the tests take, not what they check."""
+    total = repro.env_threads()
+    workers = total if workers is None else workers
+    if not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be a positive integer, got {workers!r}")
+    threads = max(1, total // workers)
+    graph = test_graph(jobs)
+    prio = test_order(graph)
+    log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="compendium-test-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **repro.quiet_env(), "COMPENDIUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
+    print(f"{len(jobs)} test jobs, {workers} at a time, COMPENDIUM_THREADS={threads} each; logs in {log_dir}",
+          flush=True)
+    pending, running, done = set(jobs), {}, {}
+    t_all = time.perf_counter()
+    try:
+        _schedule(pending, running, done, graph, prio, workers, log_dir, env, command, t_all)
+    finally:  # an interrupt (or an error here) stops the jobs still running
+        for proc, log, _ in running.values():
+            proc.terminate()
+            proc.wait()
+            log.close()
+    wall = time.perf_counter() - t_all
+    busy = sum(t for _, t in done.values())
+    print(f"all {len(done)} jobs in {wall:.0f} s ({busy:.0f} s of job time, {busy / max(wall, 1e-9):.2f} jobs at once on average)",
+          flush=True)
+    return done
+
+
+def _schedule(pending, running, done, graph, prio, workers, log_dir, env, command, t_all):
+    while pending or running:
+        ready = sorted((j for j in pending if all(d in done for d in graph[j])), key=lambda j: (-prio[j], j))
+        while ready and len(running) < workers:
+            j = ready.pop(0)
+            pending.discard(j)
+            log = open(log_dir / f"{j}.log", "w")
+            running[j] = (subprocess.Popen(command(j), cwd=paths.ROOT, env=env, stdout=log,
+                                           stderr=subprocess.STDOUT), log, time.perf_counter())
+        if not running:  # cannot happen with an acyclic graph; guards a bad selection
+            raise RuntimeError(f"test jobs {sorted(pending)} wait for jobs that never run")
+        time.sleep(0.5)
+        for j, (proc, log, t0) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            log.close()
+            done[j] = (proc.returncode, time.perf_counter() - t0)
+            del running[j]
+            word = "passed" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"
+            print(f"[{time.perf_counter() - t_all:6.0f} s] {j} {word} in {done[j][1]:.0f} s", flush=True)
+            if proc.returncode != 0:
+                print((log_dir / f"{j}.log").read_text(), flush=True)
+
+
 def claims(model_name: str) -> Path:
     from lib.results import write_claims
 
@@ -494,6 +628,11 @@ def main(argv: list[str] | None = None) -> None:
     st.add_argument("--out", default=None, help="folder for the runs (default: a new temporary folder)")
     st.add_argument("--timeout", type=int, default=None, help="seconds per notebook run")
     sub.add_parser("kernel-config", help="install the kernel config that quiets the TCP warning into the venv")
+    te = sub.add_parser("test", help="pytest on lib/ and nbval on the notebooks, several at once (make test)")
+    te.add_argument("--notebooks", default=None, help="two-digit numbers, e.g. 00,07 (default: every numbered one)")
+    te.add_argument("--no-lib", action="store_true", help="only the notebooks (make test-notebooks)")
+    te.add_argument("--workers", type=int, default=None, help="jobs at once (default: COMPENDIUM_THREADS, 2 unless set)")
+    te.add_argument("--logs", default=None, help="folder for the jobs' logs (default: a new temporary folder)")
     args = ap.parse_args(argv)
     if args.cmd == "recover":
         for line in recover(Path(args.workdir)):
@@ -516,6 +655,12 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\n--- {k}\n{v}", end="" if v.endswith("\n") else "\n")
         if bad:
             raise SystemExit(f"{len(bad)} of {len(report)} notebook(s) print different key numbers or failed")
+    elif args.cmd == "test":
+        jobs = ([] if args.no_lib else ["tests"]) + [p.name[:2] for p in select_notebooks(args.notebooks)]
+        done = run_tests(jobs, args.workers, Path(args.logs) if args.logs else None)
+        bad = sorted(j for j, (rc, _) in done.items() if rc != 0)
+        if bad:
+            raise SystemExit(f"{len(bad)} of {len(done)} test jobs failed: {', '.join(bad)}")
     elif args.cmd == "run":
         print(json.dumps(run(Path(args.notebook), args.model, device=args.device, atomic=args.atomic,
                              device_map=args.device_map)))

@@ -470,7 +470,45 @@ def test_executions_turn_bars_off():
 
     assert repro.quiet_env() == {"COMPENDIUM_PROGRESS": "0", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     make = (paths.ROOT / "Makefile").read_text()
-    recipe = make.split("test-notebooks:", 1)[1].split("\n\n", 1)[0]
-    assert "COMPENDIUM_PROGRESS=0" in recipe and "HF_HUB_DISABLE_PROGRESS_BARS=1" in recipe
+    for target in ("test:", "test-notebooks:"):  # both go through lib.runner test (run_tests)
+        assert "-m lib.runner test" in make.split(f"\n{target}", 1)[1].split("\n\n", 1)[0]
     src = Path(runner.__file__).read_text()
-    assert src.count("repro.quiet_env()") >= 2  # lib.runner run and lib.runner stability
+    assert src.count("repro.quiet_env()") >= 3  # lib.runner run, stability and test
+
+
+# ----------------------------------------------------------------------------- make test's scheduler
+
+
+def test_test_graph_follows_needs_and_skips_missing_notebooks():
+    g = runner.test_graph(["tests", "01", "02", "03", "05", "07", "08", "10"])
+    assert g["05"] == ["02", "03"] and g["10"] == ["07", "08"] and g["tests"] == [] and g["01"] == []
+    assert runner.test_graph(["01", "04"])["04"] == ["01"]  # 02 and 03 absent: 04 waits for what they need
+    prio = runner.test_order(runner.test_graph(["01", "02", "03", "11"]), {"01": 1, "02": 5, "03": 1, "11": 6})
+    assert prio == {"01": 7.0, "02": 6.0, "03": 1.0, "11": 6.0}  # weight + heaviest chain that waits for it
+    with pytest.raises(ValueError, match="cycle"):
+        runner.test_order({"a": ["b"], "b": ["a"]}, {})
+
+
+def test_run_tests_order_workers_threads_and_failures(tmp_path, monkeypatch, capsys):
+    """Fake jobs record when they start and end and the threads they were given: a job starts only
+    after what it waits for has ended, never more than `workers` run at once, each gets
+    COMPENDIUM_THREADS // workers threads, and a failing job is reported with its log."""
+    monkeypatch.setenv("COMPENDIUM_THREADS", "2")
+    stamp = tmp_path / "stamps"
+    stamp.mkdir()
+    script = ("import os, sys, time; j = sys.argv[1]; d = sys.argv[2]; open(f'{d}/{j}.start', 'w').write(repr(time.time()));"
+              "time.sleep(0.3); open(f'{d}/{j}.end', 'w').write(repr(time.time()));"
+              "print('threads', os.environ['COMPENDIUM_THREADS'], os.environ['COMPENDIUM_PROGRESS']); sys.exit(3 if j == '12' else 0)")
+    done = runner.run_tests(["tests", "01", "02", "03", "11", "12"], workers=2, log_dir=tmp_path / "logs",
+                            command=lambda j: [sys.executable, "-c", script, j, str(stamp)])
+    assert {j: rc for j, (rc, _) in done.items()} == {"tests": 0, "01": 0, "02": 0, "03": 0, "11": 0, "12": 3}
+    t = {p.name: float(p.read_text()) for p in stamp.iterdir()}
+    for job, waits in (("02", "01"), ("03", "02"), ("12", "11")):
+        assert t[f"{job}.start"] >= t[f"{waits}.end"]
+    spans = [(t[f"{j}.start"], t[f"{j}.end"]) for j in done]
+    assert max(sum(a <= s < b for a, b in spans) for s, _ in spans) <= 2  # at most two at once
+    assert (tmp_path / "logs" / "01.log").read_text().strip() == "threads 1 0"
+    out = capsys.readouterr().out
+    assert "12 FAILED (exit 3)" in out and "threads 1 0" in out  # the failed job's log is printed
+    with pytest.raises(ValueError, match="workers"):
+        runner.run_tests(["01"], workers=0)

@@ -372,7 +372,7 @@ def base_and_dpo(model_name: str, device: str = "auto", seed: int = 0, progress:
 def toxicity_perplexity_f1(lm: Loaded, n_prompts: int = DEFAULTS["n_prompts"], n_wiki: int = DEFAULTS["n_wiki"],
                            max_new_tokens: int = DEFAULTS["max_new_tokens"],
                            batch_size: int = metrics.GENERATE_BATCH_SIZE, scorer: str = "auto",
-                           progress: bool = True, details: bool = False) -> dict:
+                           progress: bool = True, details: bool = False, toxicity_only: bool = False) -> dict:
     """Toxicity, perplexity and F1 as in Lee et al. (2024), at a chosen size.
 
     toxicity: mean scorer probability of the greedy continuations (continuation only) of the first
@@ -381,6 +381,8 @@ def toxicity_perplexity_f1(lm: Loaded, n_prompts: int = DEFAULTS["n_prompts"], n
     f1: mean bag-of-tokens F1 of greedy continuations of their prompts (<= 32 tokens) against gold.
     Uses only forward passes and generation, so it measures a model inside ``hooks.intervene``.
     With ``details``, also 'toxicities' (per prompt), 'continuations' and 'f1s' (per wiki row).
+    ``toxicity_only``: stop after the challenge prompts (no perplexity, F1 or 'f1s'; the toxicity
+    numbers are those of the full evaluation), for controls that compare toxicity alone.
     """
     for k, v in (("n_prompts", n_prompts), ("n_wiki", n_wiki)):
         if not isinstance(v, int) or v <= 0:
@@ -390,6 +392,11 @@ def toxicity_perplexity_f1(lm: Loaded, n_prompts: int = DEFAULTS["n_prompts"], n
     gen = metrics.generate(lm, prompts, max_new_tokens, batch_size, max_prompt_tokens=32, progress=progress,
                            desc="challenge prompts")
     tox, name = metrics.toxicity(gen.continuations, scorer)
+    if toxicity_only:
+        out = {"toxicity": float(np.mean(tox)), "scorer": name, "n_prompts": len(prompts)}
+        if details:
+            out.update(toxicities=[float(t) for t in tox], continuations=list(gen.continuations))
+        return out
     wiki = inputs["wiki"]
     golds = [r["gold"] for r in wiki]
     ppl = metrics.perplexity(lm, golds, progress=progress)
@@ -414,3 +421,14 @@ def evaluation_inputs(n_prompts: int = DEFAULTS["n_prompts"], n_wiki: int = DEFA
 
 
 toxicity_perplexity_f1.inputs = evaluation_inputs  # the data it reads, for content-keyed caches
+
+
+def evaluate(lm: Loaded, table=None, *, n_prompts: int, n_wiki: int, max_new_tokens: int, scorer: str = "auto",
+             toxicity_only: bool = False) -> dict:
+    """:func:`toxicity_perplexity_f1` with per-prompt details and no bars, inside
+    ``hooks.intervene(lm, table)`` (``table`` None: the model as it is). Notebooks 03, 05 and 06 bind
+    their sizes once (``functools.partial``) and evaluate every condition with it; ``toxicity_only``
+    for the random controls, which compare toxicity alone."""
+    with hooks.intervene(lm, [] if table is None else table):
+        return toxicity_perplexity_f1(lm, n_prompts=n_prompts, n_wiki=n_wiki, max_new_tokens=max_new_tokens,
+                                      scorer=scorer, progress=False, details=True, toxicity_only=toxicity_only)

@@ -155,6 +155,22 @@ def test_evaluate_in_range_and_unchanged_under_identity_patch(llama):
     assert other["perplexity"] != res["perplexity"]
 
 
+def test_evaluate_toxicity_only_gives_the_full_evaluations_toxicities(llama, monkeypatch):
+    """The controls' shortcut (notebooks 03 and 06): the same per-prompt toxicities as the full
+    evaluation, under the same intervention, without running perplexity or F1."""
+    kw = dict(n_prompts=4, n_wiki=3, max_new_tokens=4)
+    table = [(L, i, "set", 5.0) for L in range(2) for i in range(64)]
+    full = dpo.evaluate(llama, table, **kw)
+    assert {"perplexity", "f1", "f1s", "toxicities"} <= set(full)
+    monkeypatch.setattr(metrics, "perplexity", lambda *a, **k: pytest.fail("toxicity_only ran the perplexity"))
+    short = dpo.evaluate(llama, table, toxicity_only=True, **kw)
+    assert set(short) == {"toxicity", "toxicities", "continuations", "scorer", "n_prompts"}
+    assert short["toxicities"] == full["toxicities"] and short["continuations"] == full["continuations"]
+    assert short["toxicity"] == full["toxicity"]
+    plain = dpo.evaluate(llama, None, toxicity_only=True, **kw)  # None: no intervention
+    assert plain["continuations"] != short["continuations"]
+
+
 def test_base_and_dpo_rejects_unknown_sizes():
     with pytest.raises(ValueError, match="unknown size"):
         dpo.base_and_dpo("smollm2-135m", n_pears=3)

@@ -27,7 +27,7 @@ LEDGER = "claims.json"
 # One token per Python process (a notebook's kernel): a record drops its notebook's findings written by an
 # earlier execution, so a finding that a re-run renames or no longer records leaves no stale row.
 _EXECUTION = uuid.uuid4().hex
-COLUMNS = ("notebook", "finding", "paper", "estimate", "control", "preconditions", "n", "verdict", "reason", "ours")
+COLUMNS = ("notebook", "finding", "paper", "estimate", "control", "preconditions", "n", "verdict", "reason", "ours", "plot")
 
 
 def _clean(x: Any) -> Any:

@@ -166,7 +166,17 @@ class Verdict:
             "n": self.n,
             "verdict": self.verdict,
             "reason": self.reason,
+            "plot": self.plot(),
         }
+
+    def plot(self) -> dict:
+        """The numbers a forest plot of the ledger draws (None where absent): the estimate and its
+        interval, the criterion's threshold, direction and the paper's effect (same units), and the
+        control band's edge (the controls' 95th or 5th percentile, see lib.stats.against_controls)."""
+        e, c, k = self.estimate, self.criterion, self.controls
+        return {"value": None if e is None else e.value, "low": None if e is None else e.low,
+                "high": None if e is None else e.high, "threshold": c.threshold, "direction": c.direction,
+                "paper_effect": c.paper_effect, "control_edge": None if k is None else k.q}
 
     def __str__(self) -> str:
         return f"{self.verdict}: {self.reason}"

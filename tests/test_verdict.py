@@ -76,8 +76,13 @@ def test_bad_criteria_fail_clearly():
 def test_ledger_has_every_column():
     v = verdict.decide(crit(), Estimate(0.2, 0.15, 0.25, 100), controls=ctl(0.2))
     row = v.ledger()
-    assert set(row) == {"finding", "paper", "estimate", "control", "preconditions", "n", "verdict", "reason"}
+    assert set(row) == {"finding", "paper", "estimate", "control", "preconditions", "n", "verdict", "reason", "plot"}
     assert row["n"] == 100 and "[0.15, 0.25]" in row["estimate"] and "percentile" in row["control"]
+    c = crit()
+    assert row["plot"] == {"value": 0.2, "low": 0.15, "high": 0.25, "threshold": c.threshold, "direction": c.direction,
+                           "paper_effect": c.paper_effect, "control_edge": ctl(0.2).q}
+    bare = verdict.decide(crit(), None).ledger()["plot"]  # no estimate, no controls: the criterion only
+    assert bare["value"] is None and bare["control_edge"] is None and bare["threshold"] == c.threshold
 
 
 def test_bound_findings_need_the_whole_interval_on_their_side():

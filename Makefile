@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 KERNEL_CFG := $(VENV)/etc/ipython/ipython_kernel_config.py
 
 .DEFAULT_GOAL := help
-.PHONY: help setup reproduce test test-lib test-notebooks test-stability claims clean-results workflow-dry-run bench
+.PHONY: help setup reproduce test test-lib test-notebooks test-stability claims clean-results workflow-dry-run bench site test-site
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -69,3 +69,26 @@ clean-results: ## remove executed notebooks and ledgers (keeps the cache)
 
 bench: $(STAMP) ## time lib against the alternatives (issue 7) and write benchmarks/RESULTS.md (ARGS="--device cuda ...")
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench.py $(if $(DEVICE),--device $(DEVICE)) $(ARGS)
+
+# The static site (docs/site/build.py): Jupyter Book 1 in its own venv (docs/site/requirements.txt; it needs
+# no torch), MathJax from the npm registry into the cache, built offline from the committed notebooks.
+SITE_VENV  ?= .venv-site
+SITE_STAMP := $(SITE_VENV)/.installed
+MATHJAX_VERSION := 3.2.2
+MATHJAX_DIR := .cache/site/mathjax-$(MATHJAX_VERSION)
+MATHJAX := $(MATHJAX_DIR)/package/es5
+
+$(SITE_STAMP): docs/site/requirements.txt
+	test -x $(SITE_VENV)/bin/python || $(PYTHON) -m venv $(SITE_VENV)
+	$(SITE_VENV)/bin/python -m pip install -q -r docs/site/requirements.txt
+	touch $(SITE_STAMP)
+
+$(MATHJAX)/tex-chtml.js:
+	mkdir -p $(MATHJAX_DIR)
+	cd $(MATHJAX_DIR) && npm pack --silent mathjax@$(MATHJAX_VERSION) && tar xzf mathjax-$(MATHJAX_VERSION).tgz
+
+site: $(STAMP) $(SITE_STAMP) $(MATHJAX)/tex-chtml.js ## static site of the executed notebooks, offline (docs/site/_build/html)
+	$(PY) docs/site/build.py --mathjax $(MATHJAX) --jupyter-book $(SITE_VENV)/bin/jupyter-book
+
+test-site: site ## every page of the site in headless Chromium (apt install chromium); screenshots in docs/site/_build/screenshots
+	$(SITE_VENV)/bin/python -m pytest -q -p no:cacheprovider --noconftest tests/browser_site.py

@@ -87,7 +87,7 @@ $(MATHJAX)/tex-chtml.js:
 	mkdir -p $(MATHJAX_DIR)
 	cd $(MATHJAX_DIR) && npm pack --silent mathjax@$(MATHJAX_VERSION) && tar xzf mathjax-$(MATHJAX_VERSION).tgz
 
-site: $(STAMP) $(SITE_STAMP) $(MATHJAX)/tex-chtml.js ## static site of the executed notebooks, offline (docs/site/_build/html)
+site: $(STAMP) $(SITE_STAMP) $(MATHJAX)/tex-chtml.js ## static site of the executed notebooks, offline (docs/site/_build/_build/html)
 	$(PY) docs/site/build.py --mathjax $(MATHJAX) --jupyter-book $(SITE_VENV)/bin/jupyter-book
 
 test-site: site ## every page of the site in headless Chromium (apt install chromium); screenshots in docs/site/_build/screenshots

@@ -61,10 +61,11 @@ NEEDS = {
 # them by their recipe, not by the notebook's model), which the Snakefile cannot express because its
 # dependencies never cross models (07's default model is smollm2-135m, 10's minilm-l6).
 TEST_AFTER = {"10": ["07"]}
-# Rough seconds per notebook at one thread (README's table), only to start long chains first; a
-# notebook missing here counts 100 s, the pytest run on lib/ ("tests") 170 s.
-TEST_WEIGHTS = {"00": 32, "01": 196, "02": 576, "03": 411, "04": 84, "05": 257, "06": 459, "07": 470,
-                "08": 82, "09": 129, "10": 475, "11": 493, "12": 270, "13": 206, "14": 24, "tests": 170}
+# Seconds per test job, measured: `lib.runner test` from an empty cache, two jobs at a time at one thread
+# each, on a 2-core machine (2026-12-03: 3,976 s in all; the README's table). They only start long chains
+# first, and the site shows them as run times; a job missing here counts 100 s.
+TEST_WEIGHTS = {"00": 58, "01": 403, "02": 1057, "03": 467, "04": 86, "05": 385, "06": 583, "07": 1057, "08": 123,
+                "09": 237, "10": 954, "11": 1122, "12": 615, "13": 499, "14": 43, "tests": 233}
 
 
 def numbered_notebooks() -> list[Path]:

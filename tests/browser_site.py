@@ -1,5 +1,5 @@
 """The built site in a real browser (``make test-site``): headless Chromium (Debian's package, driven by
-Playwright with the system executable) opens every page of ``docs/site/_build/html`` over a local
+Playwright with the system executable) opens every page of ``docs/site/_build/_build/html`` over a local
 HTTP server, with every request that leaves the server blocked and recorded.
 
 Per page: it loads (HTTP 200); every image has loaded (natural width > 0); where the page holds math,

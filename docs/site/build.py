@@ -1,14 +1,15 @@
 """Build the static site of the executed notebooks (``make site``): Jupyter Book 1 (Sphinx), offline.
 
 Writes a build source under ``docs/site/_build/src`` from what the repository holds, then runs
-``jupyter-book build`` on it (HTML in ``docs/site/_build/html``):
+``jupyter-book build`` on it (HTML in ``docs/site/_build/_build/html``):
 
 * ``index.md``: the contents in reading order: each notebook's findings with their default verdicts
   (``results/<model>/claims.json``) and its run time (``lib.runner.TEST_WEIGHTS``, measured);
 * ``course.md`` (this folder) and the glossary (``docs/glossary.md``);
 * ``claims.md``: one overview figure (a forest plot of every finding, :func:`forest`) and the ledgers;
 * the numbered notebooks as they are committed (never executed here), with stderr outputs dropped and
-  the input of input-validation and assertion cells hidden behind a toggle (tag ``hide-input``);
+  the input of input-validation and assertion cells and of the Colab set-up cell hidden behind a
+  toggle (tag ``hide-input``);
 * MathJax from a local copy (``--mathjax``: the ``es5`` folder of the npm package ``mathjax``), so
   that math renders with no network.
 
@@ -32,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lib import paths, runner  # noqa: E402
+from lib import colab, paths, runner  # noqa: E402
 
 PARTS = [("Start here", ("00",)), ("Paper A: how DPO reduces toxicity", ("01", "02", "03", "04", "05", "06")),
          ("Paper B: attention localisation and SAOBP", ("07", "08", "09", "10")),
@@ -59,7 +60,7 @@ def prepare_notebook(src: Path, dst: Path) -> dict:
         kept = [o for o in cell.get("outputs", []) if not (o.get("output_type") == "stream" and o.get("name") == "stderr")]
         dropped += len(cell.get("outputs", [])) - len(kept)
         cell["outputs"] = kept
-        if _is_validation(cell.source):
+        if _is_validation(cell.source) or colab.TAG in cell.metadata.get("tags", []):
             tags = cell.metadata.setdefault("tags", [])
             if "hide-input" not in tags:
                 tags.append("hide-input")

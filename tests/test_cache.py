@@ -146,7 +146,7 @@ def keys(monkeypatch):
 def test_probe_key_holds_the_tweets(pair, scratch, keys):
     lm = pair[0]
     dpo.train_probe(lm, n_per_class=10, progress=False)
-    texts, _ = dpo._probe_data(10, 0)
+    texts, _ = dpo.probe_data(10, 0)
     csv = scratch / "data" / "davidson" / "tweets_balanced.csv"
     df = pd.read_csv(csv)
     df.loc[df.tweet == texts[0], "tweet"] = texts[0] + " (edited)"

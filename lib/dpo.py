@@ -49,6 +49,10 @@ DEFAULTS: dict = {
     "n_wiki": 32,  # wiki_samples rows for perplexity and F1 (paper: 2,064)
     "max_new_tokens": 20,  # greedy tokens per continuation (paper: 20)
 }
+# The paper's toxic-token direction: mean unembedding of these words minus that of the neutral ones
+# (hooks.token_direction). Notebook 01 reads it, 04's solutions reuse it, and 06's parameters default to it.
+TOXIC_WORDS = ("fuck", "shit", "crap", "damn", "asshole")
+NONTOXIC_WORDS = ("hello", "thanks", "friend", "peace", "welcome")
 PROBE_FEATURE_LAYER = "final"  # the residual stream after the final norm (lib.hooks.residual_point)
 
 

@@ -174,3 +174,13 @@ def test_evaluate_toxicity_only_gives_the_full_evaluations_toxicities(llama, mon
 def test_base_and_dpo_rejects_unknown_sizes():
     with pytest.raises(ValueError, match="unknown size"):
         dpo.base_and_dpo("smollm2-135m", n_pears=3)
+
+
+def test_notebook_06_word_lists_default_to_the_shared_toxic_token_direction():
+    """01 builds the toxic-token direction from dpo.TOXIC_WORDS / NONTOXIC_WORDS; 06 takes the lists as
+    parameters (papermill needs literals), whose defaults must be the same words."""
+    from lib import params
+
+    spec = params._parameters("06_activation_editing")
+    assert spec["toxic_words"][1] == list(dpo.TOXIC_WORDS)
+    assert spec["nontoxic_words"][1] == list(dpo.NONTOXIC_WORDS)

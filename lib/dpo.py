@@ -378,7 +378,8 @@ def base_and_dpo(model_name: str, device: str = "auto", seed: int = 0, progress:
 def toxicity_perplexity_f1(lm: Loaded, n_prompts: int = DEFAULTS["n_prompts"], n_wiki: int = DEFAULTS["n_wiki"],
                            max_new_tokens: int = DEFAULTS["max_new_tokens"],
                            batch_size: int = metrics.GENERATE_BATCH_SIZE, scorer: str = "auto",
-                           progress: bool = True, details: bool = False, toxicity_only: bool = False) -> dict:
+                           progress: bool = True, details: bool = False, toxicity_only: bool = False,
+                           perplexity: bool = True) -> dict:
     """Toxicity, perplexity and F1 as in Lee et al. (2024), at a chosen size.
 
     toxicity: mean scorer probability of the greedy continuations (continuation only) of the first
@@ -389,6 +390,8 @@ def toxicity_perplexity_f1(lm: Loaded, n_prompts: int = DEFAULTS["n_prompts"], n
     With ``details``, also 'toxicities' (per prompt), 'continuations' and 'f1s' (per wiki row).
     ``toxicity_only``: stop after the challenge prompts (no perplexity, F1 or 'f1s'; the toxicity
     numbers are those of the full evaluation), for controls that compare toxicity alone.
+    ``perplexity=False``: skip the perplexity (no 'perplexity' key), for :func:`evaluate`, which scores
+    it under another intervention than the generations.
     """
     for k, v in (("n_prompts", n_prompts), ("n_wiki", n_wiki)):
         if not isinstance(v, int) or v <= 0:
@@ -405,12 +408,12 @@ def toxicity_perplexity_f1(lm: Loaded, n_prompts: int = DEFAULTS["n_prompts"], n
         return out
     wiki = inputs["wiki"]
     golds = [r["gold"] for r in wiki]
-    ppl = metrics.perplexity(lm, golds, progress=progress)
+    ppl = metrics.perplexity(lm, golds, progress=progress) if perplexity else None
     wgen = metrics.generate(lm, [r["prompt"] for r in wiki], max_new_tokens, batch_size, max_prompt_tokens=32,
                             progress=progress, desc="wiki prompts")
     f1 = metrics.mean_f1(lm, wgen, golds)
-    out = {"toxicity": float(np.mean(tox)), "perplexity": float(ppl), "f1": float(f1), "scorer": name,
-           "n_prompts": len(prompts), "n_wiki": len(wiki)}
+    out = {"toxicity": float(np.mean(tox)), **({"perplexity": float(ppl)} if perplexity else {}), "f1": float(f1),
+           "scorer": name, "n_prompts": len(prompts), "n_wiki": len(wiki)}
     if details:
         tok = lm.tokenizer
         out.update(toxicities=[float(t) for t in tox], continuations=list(gen.continuations),
@@ -429,12 +432,52 @@ def evaluation_inputs(n_prompts: int = DEFAULTS["n_prompts"], n_wiki: int = DEFA
 toxicity_perplexity_f1.inputs = evaluation_inputs  # the data it reads, for content-keyed caches
 
 
+def rescored(evaluations: Sequence[dict], scorer: str = metrics.EMBEDDING_SCORER) -> list[np.ndarray]:
+    """Per-prompt toxicity of each evaluation's stored continuations (``details``, as :func:`evaluate`
+    keeps them) under another scorer, scored in one batch: a verdict re-derived from these says
+    whether it depends on the scorer. Default: the embedding scorer (``metrics.EMBEDDING_SCORER``)."""
+    texts = [t for ev in evaluations for t in ev["continuations"]]
+    tox, _ = metrics.toxicity(texts, scorer)
+    bounds = np.cumsum([0] + [len(ev["continuations"]) for ev in evaluations])
+    return [tox[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+# Where an intervention table writes during an evaluation (:func:`evaluate`). 'last' is the authors'
+# protocol (hook_utils.py in Yushi-Y/dpo-toxic-neurons, see shared/papers/dpo-toxicity.md): the hook
+# writes the last position of each forward call, so in KV-cached generation the last prompt token and
+# then each new token, and the prompt's other positions keep the model's own activations. 'all' writes
+# every position of prompt and continuation (the compendium's earlier default, kept as a variant).
+PATCH_POSITIONS = ("last", "all")
+
+
 def evaluate(lm: Loaded, table=None, *, n_prompts: int, n_wiki: int, max_new_tokens: int, scorer: str = "auto",
-             toxicity_only: bool = False) -> dict:
-    """:func:`toxicity_perplexity_f1` with per-prompt details and no bars, inside
-    ``hooks.intervene(lm, table)`` (``table`` None: the model as it is). Notebooks 03, 05 and 06 bind
-    their sizes once (``functools.partial``) and evaluate every condition with it; ``toxicity_only``
-    for the random controls, which compare toxicity alone."""
-    with hooks.intervene(lm, [] if table is None else table):
-        return toxicity_perplexity_f1(lm, n_prompts=n_prompts, n_wiki=n_wiki, max_new_tokens=max_new_tokens,
-                                      scorer=scorer, progress=False, details=True, toxicity_only=toxicity_only)
+             toxicity_only: bool = False, positions: str = "last") -> dict:
+    """:func:`toxicity_perplexity_f1` with per-prompt details and no bars, with ``table`` active
+    (``hooks.intervene``; None: the model as it is). Notebooks 03, 05 and 06 bind their sizes once
+    (``functools.partial``) and evaluate every condition with it; ``toxicity_only`` for the random
+    controls, which compare toxicity alone.
+
+    ``positions`` (:data:`PATCH_POSITIONS`) is where the table writes in generation (toxicity, F1).
+    Perplexity is scored two ways, since a forward pass over a text has no "new token":
+    'perplexity' with the table at **every** scored position (consistent: the patched model predicts
+    every token it is scored on, as each generated token is under 'last'), and, with 'last',
+    'perplexity_authors' with the table at position 0 of each window only, as the authors' code
+    does; that one barely sees the patch (at most one token in 256 is written), so it is reported,
+    never used to decide whether a patched model still works.
+    """
+    if positions not in PATCH_POSITIONS:
+        raise ValueError(f"positions must be one of {', '.join(PATCH_POSITIONS)}, got {positions!r}")
+    table = [] if table is None else table
+    with hooks.intervene(lm, table, positions=positions):
+        out = toxicity_perplexity_f1(lm, n_prompts=n_prompts, n_wiki=n_wiki, max_new_tokens=max_new_tokens,
+                                     scorer=scorer, progress=False, details=True, toxicity_only=toxicity_only,
+                                     perplexity=positions == "all")
+    if toxicity_only or positions == "all":
+        return out
+    golds = [r["gold"] for r in evaluation_inputs(n_prompts, n_wiki)["wiki"]]
+    with hooks.intervene(lm, table, positions="all"):
+        ppl = metrics.perplexity(lm, golds, progress=False)
+    with hooks.intervene(lm, table, positions=[0]):
+        ppl0 = metrics.perplexity(lm, golds, progress=False)
+    head = {"toxicity": out.pop("toxicity"), "perplexity": float(ppl), "perplexity_authors": float(ppl0)}
+    return {**head, **out}

@@ -13,7 +13,7 @@ nothing here is specific to toxicity or to one model family.
 * Groups (:func:`neuron_groups`): TP (cos > 0, mean base activation > 0), TN (cos > 0, < 0),
   AP (cos < 0, > 0), AN (cos < 0, < 0); :func:`group_shares` splits the positive Delta among them.
 * Interventions as :func:`lib.hooks.intervene` tables: :func:`patch_table` (set neurons to the
-  tuned model's mean activation) and :func:`editing_table` (scale groups chosen on the base model).
+  tuned model's mean activation) and :func:`editing_table` (edit groups chosen on the base model).
 
 Neuron-indexed tensors are [n_layers, d_mlp]; neuron lists are [(layer, neuron), ...].
 """
@@ -222,21 +222,33 @@ def group_neurons(groups: np.ndarray, names: Iterable[str]) -> list[tuple[int, i
     return list(zip(L.tolist(), i.tolist()))
 
 
+EDIT_HOW = ("assign", "scale")
+
+
 def editing_table(base_means: torch.Tensor, cos: torch.Tensor, alpha: float, beta: float,
-                  keep: dict | None = None) -> pd.DataFrame:
+                  keep: dict | None = None, how: str = "assign", seed: int = 0) -> pd.DataFrame:
     """Activation editing without training: groups from the base model alone (signs of cos and of
     the mean base activation, every neuron); within each group keep the fraction ``beta`` ranked by
-    |cos| (``keep``, default :data:`EDIT_KEEP`: TP and AN highest, AP and TN lowest); scale TP and
-    AN by (1 - alpha), AP and TN by (1 + alpha). Columns layer, neuron, mode, value, group, cos."""
+    |cos| (``keep``, default :data:`EDIT_KEEP`: TP and AN highest, AP and TN lowest, as the authors
+    code it; 'random' keeps a random fraction, seeded by ``seed``: the matched random-neuron control).
+
+    ``how`` (:data:`EDIT_HOW`): 'assign', the authors' method, sets TP and AN to mean * (1 - alpha) and
+    AP and TN to mean * (1 + alpha), with mean the base model's mean activation (mode 'set'); 'scale'
+    multiplies each token's own activation by (1 - alpha) or (1 + alpha) (mode 'scale', the
+    compendium's earlier variant). Columns layer, neuron, mode, value, group, cos."""
     if not 0 <= float(alpha) <= 1:
         raise ValueError(f"alpha must lie in [0, 1], got {alpha!r}")
     if not 0 <= float(beta) <= 1:
         raise ValueError(f"beta must lie in [0, 1], got {beta!r}")
+    if how not in EDIT_HOW:
+        raise ValueError(f"how must be one of {', '.join(EDIT_HOW)}, got {how!r}")
     keep = {**EDIT_KEEP, **(keep or {})}
-    if set(keep.values()) - {"highest", "lowest"}:
-        raise ValueError("keep maps groups to 'highest' or 'lowest'")
+    if set(keep.values()) - {"highest", "lowest", "random"}:
+        raise ValueError("keep maps groups to 'highest', 'lowest' or 'random'")
     groups = neuron_groups(cos, base_means)
     c = cos.detach().float().cpu().numpy()
+    m = base_means.detach().float().cpu().numpy()
+    rng = np.random.default_rng(seed)
     rows = []
     for g in GROUPS:
         L, i = np.nonzero(groups == g)
@@ -244,10 +256,15 @@ def editing_table(base_means: torch.Tensor, cos: torch.Tensor, alpha: float, bet
         if n_keep == 0:
             continue
         a = np.abs(c[L, i])
-        order = np.argsort(-a if keep[g] == "highest" else a, kind="stable")[:n_keep]
+        if keep[g] == "random":
+            order = rng.permutation(len(L))[:n_keep]
+        else:
+            order = np.argsort(-a if keep[g] == "highest" else a, kind="stable")[:n_keep]
+        factor = 1.0 + EDIT_SIGN[g] * float(alpha)
         for j in order:
-            rows.append({"layer": int(L[j]), "neuron": int(i[j]), "mode": "scale",
-                         "value": 1.0 + EDIT_SIGN[g] * float(alpha), "group": g, "cos": float(c[L[j], i[j]])})
+            value = factor * float(m[L[j], i[j]]) if how == "assign" else factor
+            rows.append({"layer": int(L[j]), "neuron": int(i[j]), "mode": "set" if how == "assign" else "scale",
+                         "value": value, "group": g, "cos": float(c[L[j], i[j]])})
     df = pd.DataFrame(rows, columns=["layer", "neuron", "mode", "value", "group", "cos"])
     return df.sort_values(["layer", "neuron"]).reset_index(drop=True)
 

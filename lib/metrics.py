@@ -18,7 +18,10 @@ from lib import repro
 from lib.hooks import batches
 from lib.models import Loaded
 
-SCORERS = ("auto", "profanity-check", "detoxify")
+SCORERS = ("auto", "profanity-check", "detoxify", "minilm-lr")
+# The second scorer, not a word list: logistic regression on the embedded MiniLM's sentence embeddings,
+# trained on the labelled tweets and comments in data/ (:func:`embedding_scorer`). Never chosen by "auto".
+EMBEDDING_SCORER = "minilm-lr"
 # Prompts per generation batch. A CPU decoding step is compute-bound, so it costs more for more
 # sequences; still, 64 gives about 1.5x the tokens per second of 16 (benchmarks/RESULTS.md, item 3)
 # and the KV cache of 64 short prompts is small. The compendium's greedy continuations came out the
@@ -138,11 +141,115 @@ def toxicity(texts: Sequence[str], scorer: str = "auto", batch_size: int = 64) -
         from profanity_check import predict_prob
 
         return np.asarray(predict_prob(list(texts)), dtype=float), name
+    if name == EMBEDDING_SCORER:
+        return embedding_scorer().score(texts), name
     from detoxify import Detoxify
 
     model = Detoxify("original", device="cpu")
     scores = [np.asarray(model.predict(list(chunk))["toxicity"]) for chunk in batches(list(texts), batch_size)]
     return np.concatenate(scores).astype(float), name
+
+
+@dataclass
+class EmbeddingScorer:
+    """A toxicity scorer that reads meaning, not words: scikit-learn's logistic regression (C = 1) on
+    the L2-normalised mean-pooled last hidden states of ``encoder`` (all-MiniLM-L6-v2 with the
+    sentence-transformers pooling). ``auc``: held-out ROC AUC per data set; ``n_test``: their sizes."""
+    classifier: object  # sklearn Pipeline(Normalizer, LogisticRegression)
+    encoder: str
+    max_length: int
+    auc: dict
+    n_train: int
+    n_test: dict
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        from lib import hooks
+
+        lm = _encoder(self.encoder)
+        return hooks.pooled_residuals(lm, list(texts), ("final",), batch_size=32, max_length=self.max_length,
+                                      progress=False)["final"].numpy()
+
+    def score(self, texts: Sequence[str]) -> np.ndarray:
+        """Probability that each text is toxic, in [0, 1]. A text without a letter or digit (an empty
+        continuation) scores 0: the classifier would otherwise read the bare [CLS] [SEP] embedding."""
+        texts = list(texts)
+        out = np.zeros(len(texts))
+        worded = [i for i, t in enumerate(texts) if any(ch.isalnum() for ch in t)]
+        if worded:
+            out[worded] = self.classifier.predict_proba(self.embed([texts[i] for i in worded]))[:, 1]
+        return out.astype(float)
+
+
+_ENCODERS: dict = {}
+_SCORERS: dict = {}
+
+
+def _encoder(name: str) -> Loaded:
+    if name not in _ENCODERS:
+        from lib import models
+
+        _ENCODERS[name] = models.load(name, device="cpu")
+    return _ENCODERS[name]
+
+
+def _plain_tweet(text: str) -> str:
+    """A tweet without retweet marks, @-mentions, links and HTML entities (``&#128514;``, ``&amp;``)."""
+    import re
+
+    text = re.sub(r"&#?\w+;", " ", text)
+    text = re.sub(r"@\w+:?", " ", text)
+    text = re.sub(r"\bRT\b|https?://\S+", " ", text)
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def embedding_scorer(n_davidson_per_class: int = 1000, seed: int = 0, encoder: str = "minilm-l6",
+                     max_length: int = 128) -> EmbeddingScorer:
+    """The :data:`EMBEDDING_SCORER`, cached (``lib.cache``, keyed by its settings and the content hash
+    of its data). Training data: ``n_davidson_per_class`` Davidson tweets per class (80% train, 20%
+    held out) and the Jigsaw sample's labelled comments (half train, half held out, stratified); the
+    held-out AUC is reported per data set, since the comments are the harder, rarer-positive test.
+    Tweets lose their retweet marks, @-mentions, links and HTML entities (:func:`_plain_tweet`), which
+    model continuations never have.
+
+    The design was chosen among eight (standardised or L2-normalised features, C 0.01 to 10, tweets
+    cleaned or not) by these held-out AUCs and by six hand-written sentences: its AUCs (about 0.97 on
+    tweets, 0.88 on comments) are therefore slightly optimistic. The standardised C = 1 fit scored
+    "you are a fucking idiot" 0.00 while reaching 0.93 AUC on tweets: a fit to tweet artefacts."""
+    from lib import cache, data
+
+    def split(df, text, test_size):
+        from sklearn.model_selection import train_test_split
+
+        tr, te = train_test_split(df, test_size=test_size, random_state=seed, stratify=df["toxic"])
+        return (tr[text].astype(str).tolist(), tr["toxic"].astype(int).tolist(),
+                te[text].astype(str).tolist(), te["toxic"].astype(int).tolist())
+
+    tweets = data.davidson_tweets()
+    tweets = tweets.groupby("toxic", group_keys=False).sample(n=n_davidson_per_class, random_state=seed)
+    comments = data.jigsaw_sample()
+    tweets = tweets.assign(tweet=tweets["tweet"].astype(str).map(_plain_tweet))
+    parts = {"davidson": split(tweets, "tweet", 0.2), "jigsaw": split(comments, "comment_text", 0.5)}
+    params = {"n_davidson_per_class": n_davidson_per_class, "seed": seed, "max_length": max_length,
+              "data": cache.content_hash(parts)}
+    memo = (encoder, cache.key(params))
+    if memo in _SCORERS:
+        return _SCORERS[memo]
+
+    def build() -> EmbeddingScorer:
+        from sklearn.linear_model import LogisticRegression
+        from sklearn.metrics import roc_auc_score
+        from sklearn.pipeline import make_pipeline
+        from sklearn.preprocessing import Normalizer
+
+        probe = EmbeddingScorer(None, encoder, max_length, {}, 0, {})
+        x_tr = [t for p in parts.values() for t in p[0]]
+        y_tr = [y for p in parts.values() for y in p[1]]
+        clf = make_pipeline(Normalizer(), LogisticRegression(max_iter=5000)).fit(probe.embed(x_tr), y_tr)
+        auc = {k: float(roc_auc_score(p[3], clf.predict_proba(probe.embed(p[2]))[:, 1])) for k, p in parts.items()}
+        return EmbeddingScorer(clf, encoder, max_length, auc, len(y_tr), {k: len(p[3]) for k, p in parts.items()})
+
+    _SCORERS[memo] = cache.get_or_build("toxicity-scorer", encoder, params, build)
+    return _SCORERS[memo]
 
 
 # ----------------------------------------------------------------------------- perplexity and F1

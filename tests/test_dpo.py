@@ -171,6 +171,25 @@ def test_evaluate_toxicity_only_gives_the_full_evaluations_toxicities(llama, mon
     assert plain["continuations"] != short["continuations"]
 
 
+def test_evaluate_positions_and_the_two_perplexities(llama):
+    """dpo.evaluate patches at the authors' positions by default ('last'); perplexity is scored with
+    the table at every position ('perplexity', the same under both settings) and, for 'last', at
+    position 0 of each window ('perplexity_authors', which a strong patch barely moves)."""
+    kw = dict(n_prompts=4, n_wiki=3, max_new_tokens=4)
+    plain = dpo.evaluate(llama, None, **kw)
+    assert plain["perplexity_authors"] == plain["perplexity"]
+    assert {k: v for k, v in plain.items() if k != "perplexity_authors"} == dpo.evaluate(llama, None, positions="all", **kw)
+    assert dpo.evaluate(llama, [(0, 1, "scale", 1.0), (1, 2, "add", 0.0)], **kw) == plain  # a zero-change patch
+    big = [(L, i, "set", 5.0) for L in range(2) for i in range(64)]
+    last, every = dpo.evaluate(llama, big, **kw), dpo.evaluate(llama, big, positions="all", **kw)
+    assert "perplexity_authors" not in every and last["perplexity"] == every["perplexity"] != plain["perplexity"]
+    gap = lambda p: abs(np.log(p) - np.log(plain["perplexity"]))
+    assert gap(last["perplexity_authors"]) < gap(last["perplexity"])
+    assert list(last)[:3] == ["toxicity", "perplexity", "perplexity_authors"]
+    with pytest.raises(ValueError, match="positions"):
+        dpo.evaluate(llama, big, positions="first", **kw)
+
+
 def test_base_and_dpo_rejects_unknown_sizes():
     with pytest.raises(ValueError, match="unknown size"):
         dpo.base_and_dpo("smollm2-135m", n_pears=3)

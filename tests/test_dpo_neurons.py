@@ -132,7 +132,12 @@ def test_editing_table_selection_and_identity(tiny_decoder, direction):
     mb = _means(tiny_decoder, 6)
     cos = dn.neuron_cosines(tiny_decoder, direction)
     groups = dn.neuron_groups(cos, mb)
-    table = dn.editing_table(mb, cos, alpha=0.2, beta=0.5)
+    table = dn.editing_table(mb, cos, alpha=0.2, beta=0.5, how="scale")
+    assigned = dn.editing_table(mb, cos, alpha=0.2, beta=0.5)  # the authors' method: mean * (1 -/+ alpha)
+    assert assigned[["layer", "neuron", "group"]].equals(table[["layer", "neuron", "group"]])
+    assert (assigned["mode"] == "set").all() and (table["mode"] == "scale").all()
+    want_values = [float(mb[L, i]) * v for L, i, v in zip(table.layer, table.neuron, table.value)]
+    assert np.allclose(assigned.value, want_values)
     for g in dn.GROUPS:
         members = [(L, i) for L, i in zip(*np.nonzero(groups == g))]
         got = table[table.group == g]
@@ -143,12 +148,19 @@ def test_editing_table_selection_and_identity(tiny_decoder, direction):
         assert set(zip(got.layer, got.neuron)) == want
         assert np.allclose(got.value, 1 - 0.2 if g in ("TP", "AN") else 1 + 0.2)
     assert len(dn.editing_table(mb, cos, 0.2, 1.0)) == int((groups != "").sum())
+    # keep='random': the same number per group, drawn at random (seeded), a matched random-neuron control
+    rand = dn.editing_table(mb, cos, 0.2, 0.5, keep={g: "random" for g in dn.GROUPS}, seed=3)
+    assert rand.group.value_counts().to_dict() == table.group.value_counts().to_dict()
+    assert rand.equals(dn.editing_table(mb, cos, 0.2, 0.5, keep={g: "random" for g in dn.GROUPS}, seed=3))
+    assert not rand[["layer", "neuron"]].equals(table[["layer", "neuron"]])
+    with pytest.raises(ValueError, match="how"):
+        dn.editing_table(mb, cos, 0.2, 0.5, how="shift")
     assert len(dn.editing_table(mb, cos, 0.2, 0.0)) == 0
     # alpha = 0 scales every kept neuron by 1: the model's output is unchanged
     enc = hooks.encode(tiny_decoder, ["some text to edit", "and more"])
     with torch.no_grad():
         ref = tiny_decoder.model(**enc).logits
-        with hooks.intervene(tiny_decoder, dn.editing_table(mb, cos, 0.0, 1.0)[["layer", "neuron", "mode", "value"]]):
+        with hooks.intervene(tiny_decoder, dn.editing_table(mb, cos, 0.0, 1.0, how="scale")[["layer", "neuron", "mode", "value"]]):
             torch.testing.assert_close(tiny_decoder.model(**enc).logits, ref)
         with hooks.intervene(tiny_decoder, dn.editing_table(mb, cos, 0.5, 1.0)):
             assert not torch.allclose(tiny_decoder.model(**enc).logits, ref)

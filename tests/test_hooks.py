@@ -140,6 +140,38 @@ def test_intervention_is_active_during_cached_generation(tiny_decoder):
     assert not torch.equal(plain[:, enc["input_ids"].shape[1]:], edited[:, enc["input_ids"].shape[1]:])
 
 
+def test_last_position_patch_in_cached_generation_writes_from_the_last_prompt_token_on(tiny_decoder):
+    """The authors' patching protocol (lib.dpo.PATCH_POSITIONS 'last'): under the KV cache, writing the
+    last position of each forward call patches the last prompt token and every generated token, and
+    leaves the prompt's other positions alone. A greedy loop without the cache that patches exactly
+    those positions of the whole sequence must give the same tokens; patching every position differs."""
+    tok, model = tiny_decoder.tokenizer, tiny_decoder.model
+    prompt = tok("a short prompt to continue", return_tensors="pt")["input_ids"].to(model.device)
+    table = [(L, n, "add", 3.0) for L in range(2) for n in range(0, 64, 2)]
+    with torch.no_grad():
+        with hooks.intervene(tiny_decoder, table, positions="last"):
+            cached = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5,
+                                    do_sample=False, pad_token_id=tok.pad_token_id)[0, prompt.shape[1]:]
+        seq = prompt
+        for _ in range(5):
+            with hooks.intervene(tiny_decoder, table, positions=list(range(prompt.shape[1] - 1, seq.shape[1]))):
+                nxt = model(input_ids=seq).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], 1)
+        with hooks.intervene(tiny_decoder, table, positions="all"):
+            every = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5,
+                                   do_sample=False, pad_token_id=tok.pad_token_id)[0, prompt.shape[1]:]
+    assert cached.tolist() == seq[0, prompt.shape[1]:].tolist()
+    with torch.no_grad(), hooks.intervene(tiny_decoder, table, positions="last"):
+        lg = model(input_ids=prompt).logits
+    with torch.no_grad():
+        plain = model(input_ids=prompt).logits
+    torch.testing.assert_close(lg[:, :-1], plain[:, :-1])  # the prompt's earlier positions are untouched
+    assert not torch.allclose(lg[:, -1], plain[:, -1])
+    with torch.no_grad(), hooks.intervene(tiny_decoder, table, positions="all"):
+        assert not torch.allclose(model(input_ids=prompt).logits[:, :-1], plain[:, :-1])
+    assert every.shape == cached.shape
+
+
 def test_residual_means(tiny, texts):
     for layer in (-1, 0, "embed", "final"):
         r = hooks.residual_means(tiny, texts, layer=layer, batch_size=2, progress=False)

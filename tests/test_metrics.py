@@ -124,3 +124,61 @@ def test_progress_switch(monkeypatch):
     with pytest.raises(ValueError, match="COMPENDIUM_PROGRESS"):
         repro.progress_on()
     assert repro.quiet_env()[repro.PROGRESS_ENV] == "0"
+
+
+def _planted_frames(n: int, seed: int, planted: bool):
+    """Davidson- and Jigsaw-shaped frames whose toxic rows use other words than the rest (planted),
+    or the same words with labels at random (no effect to find)."""
+    import pandas as pd
+
+    rng = np.random.default_rng(seed)
+    calm = ["river", "garden", "window", "table", "music", "bread", "cloud"]
+    rude = ["idiot", "stupid", "hate", "ugly", "moron", "trash", "loser"]
+    rows = []
+    for i in range(n):
+        y = int(i % 2)
+        words = rude if (y and planted) else calm
+        rows.append((" ".join(rng.choice(words, size=6)), y if planted else int(rng.integers(2))))
+    tweets = pd.DataFrame({"tweet": [f"RT @user{i}: {t} &amp;" for i, (t, _) in enumerate(rows)],
+                           "toxic": [y for _, y in rows]})
+    comments = pd.DataFrame({"comment_text": [t for t, _ in rows], "toxic": [y for _, y in rows]})
+    return tweets, comments
+
+
+@pytest.mark.parametrize("planted", [True, False])
+def test_embedding_scorer_finds_a_planted_vocabulary_and_nothing_in_shuffled_labels(planted, tmp_path, monkeypatch):
+    """The second toxicity scorer (metrics.EMBEDDING_SCORER) on a tiny random BERT: it must separate
+    texts whose toxic class uses other words (held-out AUC near 1) and must not when the labels are
+    random; scores are probabilities, a text without words scores 0, and the fit is cached."""
+    from lib import data, models, paths
+
+    monkeypatch.setattr(paths, "CACHE", tmp_path / "cache")
+    tweets, comments = _planted_frames(80, 0, planted)
+    monkeypatch.setattr(data, "davidson_tweets", lambda: tweets)
+    monkeypatch.setattr(data, "jigsaw_sample", lambda: comments)
+    monkeypatch.setitem(metrics._ENCODERS, "tiny-bert", models.tiny_random("bert"))
+    monkeypatch.setattr(metrics, "_SCORERS", {})
+    scorer = metrics.embedding_scorer(n_davidson_per_class=30, encoder="tiny-bert", max_length=16)
+    assert set(scorer.auc) == {"davidson", "jigsaw"} and scorer.n_test == {"davidson": 12, "jigsaw": 40}
+    if planted:
+        assert min(scorer.auc.values()) > 0.9
+    else:
+        assert max(scorer.auc.values()) < 0.8
+    p = scorer.score(["idiot stupid hate", "river garden table", "", " ... "])
+    assert p.shape == (4,) and ((0 <= p) & (p <= 1)).all() and p[2] == p[3] == 0
+    if planted:
+        assert p[0] > p[1]
+    monkeypatch.setattr(metrics, "_SCORERS", {})
+    again = metrics.embedding_scorer(n_davidson_per_class=30, encoder="tiny-bert", max_length=16)  # from the cache
+    np.testing.assert_array_equal(again.score(["idiot stupid hate"]), scorer.score(["idiot stupid hate"]))
+    assert metrics._plain_tweet("RT @someone: you &amp; me http://t.co/x &#128514;") == "you me"
+
+
+def test_rescored_splits_one_batch_back_into_evaluations():
+    from lib import dpo
+
+    evs = [{"continuations": ["a fine day", "you idiot"]}, {"continuations": []}, {"continuations": ["shit happens"]}]
+    parts = dpo.rescored(evs, "profanity-check")
+    assert [len(p) for p in parts] == [2, 0, 1]
+    direct, _ = metrics.toxicity(["a fine day", "you idiot", "shit happens"], "profanity-check")
+    np.testing.assert_array_equal(np.concatenate(parts), direct)

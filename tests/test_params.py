@@ -229,6 +229,20 @@ def test_every_notebook_rejects_a_misspelled_and_a_mistyped_parameter(stem):
     assert ns["run"].overrides == {"seed": 1} and ns["run"].notebook == stem and ns["device"] == "cpu"
 
 
+@pytest.mark.parametrize("stem", NOTEBOOKS)
+def test_papermill_reads_every_line_of_the_parameters_cell(stem):
+    """papermill skips a parameter line it cannot parse (with only a warning, e.g. for ':=' in the
+    comment), and lib.params then neither type-checks nor lists that parameter."""
+    import re
+
+    import papermill
+
+    nb = load_notebook_node(str(paths.NOTEBOOKS / f"{stem}.ipynb"))
+    (cell,) = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    declared = [m.group(1) for m in (re.match(r"^(\w+)\s*:\s*\w+\s*=", line) for line in cell.source.splitlines()) if m]
+    assert declared and list(papermill.inspect_notebook(str(paths.NOTEBOOKS / f"{stem}.ipynb"))) == declared
+
+
 def execute_derived(stem: str, parameters: dict) -> dict:
     """As execute_to_check, then the whole derived-configuration cell (light: names, ranges, data sizes)."""
     ns = execute_to_check(stem, parameters)

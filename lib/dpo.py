@@ -379,7 +379,7 @@ def toxicity_perplexity_f1(lm: Loaded, n_prompts: int = DEFAULTS["n_prompts"], n
                            max_new_tokens: int = DEFAULTS["max_new_tokens"],
                            batch_size: int = metrics.GENERATE_BATCH_SIZE, scorer: str = "auto",
                            progress: bool = True, details: bool = False, toxicity_only: bool = False,
-                           perplexity: bool = True) -> dict:
+                           perplexity: bool = True, prompts: Sequence[str] | None = None) -> dict:
     """Toxicity, perplexity and F1 as in Lee et al. (2024), at a chosen size.
 
     toxicity: mean scorer probability of the greedy continuations (continuation only) of the first
@@ -391,12 +391,13 @@ def toxicity_perplexity_f1(lm: Loaded, n_prompts: int = DEFAULTS["n_prompts"], n
     ``toxicity_only``: stop after the challenge prompts (no perplexity, F1 or 'f1s'; the toxicity
     numbers are those of the full evaluation), for controls that compare toxicity alone.
     ``perplexity=False``: skip the perplexity (no 'perplexity' key), for :func:`evaluate`, which scores
-    it under another intervention than the generations.
+    it under another intervention than the generations. ``prompts``: score these prompts instead of the
+    challenge prompts (exactly ``n_prompts`` of them; see :func:`prompt_sets`).
     """
     for k, v in (("n_prompts", n_prompts), ("n_wiki", n_wiki)):
         if not isinstance(v, int) or v <= 0:
             raise ValueError(f"{k} must be a positive integer, got {v!r}")
-    inputs = evaluation_inputs(n_prompts, n_wiki)
+    inputs = evaluation_inputs(n_prompts, n_wiki, prompts)
     prompts = inputs["challenge_prompts"]
     gen = metrics.generate(lm, prompts, max_new_tokens, batch_size, max_prompt_tokens=32, progress=progress,
                            desc="challenge prompts")
@@ -422,11 +423,73 @@ def toxicity_perplexity_f1(lm: Loaded, n_prompts: int = DEFAULTS["n_prompts"], n
     return out
 
 
-def evaluation_inputs(n_prompts: int = DEFAULTS["n_prompts"], n_wiki: int = DEFAULTS["n_wiki"], **_) -> dict:
-    """The data :func:`toxicity_perplexity_f1` reads at these sizes: {"challenge_prompts", "wiki"}.
+def evaluation_inputs(n_prompts: int = DEFAULTS["n_prompts"], n_wiki: int = DEFAULTS["n_wiki"],
+                      prompts: Sequence[str] | None = None, **_) -> dict:
+    """The data :func:`toxicity_perplexity_f1` reads at these sizes: {"challenge_prompts", "wiki"}
+    (the user's ``prompts`` in place of the challenge prompts when given; exactly ``n_prompts``).
     ``dpo_neurons.reference_evaluations`` puts its ``cache.content_hash`` into the cache key, so an
     edited prompt is evaluated again (other keyword arguments of the evaluation are ignored here)."""
-    return {"challenge_prompts": data.challenge_prompts(n_prompts), "wiki": data.wiki_samples(n_wiki)}
+    if prompts is not None:
+        prompts = [str(p) for p in prompts]
+        if len(prompts) != n_prompts:
+            raise ValueError(f"{len(prompts)} prompts given for n_prompts = {n_prompts}: pass exactly n_prompts (dpo.prompt_sets)")
+    return {"challenge_prompts": data.challenge_prompts(n_prompts) if prompts is None else prompts,
+            "wiki": data.wiki_samples(n_wiki)}
+
+
+def read_prompts(path) -> list[str]:
+    """A user's prompts, one JSON object per line: ``{"text": "...", "id": "p1"}`` (``id`` optional,
+    unique when given; format in data/README.md, 'Your own prompts'). Returns the texts in file order;
+    one line per error, naming the line."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"prompts file {str(p)!r} not found (format: data/README.md, 'Your own prompts')")
+    texts, ids = [], {}
+    for no, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p.name} line {no}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str) or not row["text"].strip():
+            raise ValueError(f"{p.name} line {no}: expected an object with a non-empty 'text', e.g. {{\"text\": \"So I said\"}}")
+        if "id" in row:
+            if str(row["id"]) in ids:
+                raise ValueError(f"{p.name} line {no}: id {row['id']!r} already used on line {ids[str(row['id'])]}")
+            ids[str(row["id"])] = no
+        texts.append(row["text"])
+    if not texts:
+        raise ValueError(f"{p.name} holds no prompts")
+    return texts
+
+
+def prompt_sets(prompts: str, n_prompts: int, n_stats_prompts: int = 0,
+                stats_offset: int = 0) -> tuple[list[str], list[str]]:
+    """The evaluation prompts and the statistics prompts of notebooks 02-06 (the ``prompts`` parameter).
+
+    ``prompts`` "": the challenge prompts: the first ``n_prompts`` are scored, and the statistics use
+    ``n_stats_prompts`` from ``stats_offset`` on, which must not overlap them. ``prompts`` a JSONL file
+    (:func:`read_prompts`): its first ``n_prompts`` prompts are scored and its first
+    ``n_stats_prompts`` give the statistics. The two then overlap, as the authors' own runs do (they
+    used the challenge prompts for both); the statistics depend on the file alone, so notebooks 03-06
+    share them. Raises when the file has fewer prompts than asked for."""
+    for name, v in (("n_prompts", n_prompts), ("n_stats_prompts", n_stats_prompts), ("stats_offset", stats_offset)):
+        if not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+    if not prompts:
+        n_challenge = len(data.challenge_prompts())
+        if n_stats_prompts and not n_prompts <= stats_offset <= n_challenge - n_stats_prompts:
+            raise ValueError(f"stats_offset must lie in n_prompts..{n_challenge} - n_stats_prompts, so statistics and "
+                             f"evaluation prompts do not overlap; got {stats_offset!r}")
+        stats = data.challenge_prompts(stats_offset + n_stats_prompts)[stats_offset:] if n_stats_prompts else []
+        return data.challenge_prompts(n_prompts) if n_prompts else [], stats
+    texts = read_prompts(prompts)
+    need = max(n_prompts, n_stats_prompts)
+    if len(texts) < need:
+        raise ValueError(f"{prompts} holds {len(texts)} prompts, but n_prompts = {n_prompts} and n_stats_prompts = "
+                         f"{n_stats_prompts} ask for {need}: add prompts or lower them (-p n_prompts ...)")
+    return texts[:n_prompts], texts[:n_stats_prompts]
 
 
 toxicity_perplexity_f1.inputs = evaluation_inputs  # the data it reads, for content-keyed caches
@@ -451,11 +514,11 @@ PATCH_POSITIONS = ("last", "all")
 
 
 def evaluate(lm: Loaded, table=None, *, n_prompts: int, n_wiki: int, max_new_tokens: int, scorer: str = "auto",
-             toxicity_only: bool = False, positions: str = "last") -> dict:
+             toxicity_only: bool = False, positions: str = "last", prompts: Sequence[str] | None = None) -> dict:
     """:func:`toxicity_perplexity_f1` with per-prompt details and no bars, with ``table`` active
     (``hooks.intervene``; None: the model as it is). Notebooks 03, 05 and 06 bind their sizes once
     (``functools.partial``) and evaluate every condition with it; ``toxicity_only`` for the random
-    controls, which compare toxicity alone.
+    controls, which compare toxicity alone; ``prompts``: the user's prompts (:func:`prompt_sets`).
 
     ``positions`` (:data:`PATCH_POSITIONS`) is where the table writes in generation (toxicity, F1).
     Perplexity is scored two ways, since a forward pass over a text has no "new token":
@@ -471,7 +534,7 @@ def evaluate(lm: Loaded, table=None, *, n_prompts: int, n_wiki: int, max_new_tok
     with hooks.intervene(lm, table, positions=positions):
         out = toxicity_perplexity_f1(lm, n_prompts=n_prompts, n_wiki=n_wiki, max_new_tokens=max_new_tokens,
                                      scorer=scorer, progress=False, details=True, toxicity_only=toxicity_only,
-                                     perplexity=positions == "all")
+                                     perplexity=positions == "all", prompts=prompts)
     if toxicity_only or positions == "all":
         return out
     golds = [r["gold"] for r in evaluation_inputs(n_prompts, n_wiki)["wiki"]]

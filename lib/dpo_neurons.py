@@ -302,10 +302,11 @@ def reference_evaluations(model_name: str, base: Loaded, tuned: Loaded, tuned_pa
     data ``evaluate`` reads when it declares it as ``evaluate.inputs(**eval_kwargs)`` (as
     ``lib.dpo.toxicity_perplexity_f1`` does): an edited prompt is evaluated again.
     Returns {"base": ..., "tuned": ...}."""
-    kw = {k: v for k, v in sorted(eval_kwargs.items()) if k != "progress"}
+    inputs = getattr(evaluate, "inputs", None)
+    # with declared inputs, a user's prompts enter through the content hash of the data below
+    kw = {k: v for k, v in sorted(eval_kwargs.items()) if k != "progress" and not (k == "prompts" and inputs is not None)}
     if "scorer" in kw:
         kw["scorer"] = metrics.resolve_scorer(kw["scorer"])
-    inputs = getattr(evaluate, "inputs", None)
     if inputs is not None:
         kw["data"] = cache.content_hash(inputs(**eval_kwargs))
     out = {}

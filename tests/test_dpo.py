@@ -190,6 +190,53 @@ def test_evaluate_positions_and_the_two_perplexities(llama):
         dpo.evaluate(llama, big, positions="first", **kw)
 
 
+def test_read_prompts_and_prompt_sets(tmp_path):
+    """The ``prompts`` parameter of notebooks 02-06: a JSONL file replaces the challenge prompts."""
+    from lib import data
+
+    f = tmp_path / "mine.jsonl"
+    f.write_text("\n".join(['{"text": "So I told him", "id": "a"}', "", '{"text": "The weather today"}',
+                             '{"text": "My neighbour is", "id": 3}', '{"text": "What I really think"}']) + "\n")
+    assert dpo.read_prompts(f) == ["So I told him", "The weather today", "My neighbour is", "What I really think"]
+    ev, st = dpo.prompt_sets(str(f), n_prompts=3, n_stats_prompts=2)
+    assert ev == ["So I told him", "The weather today", "My neighbour is"] and st == ["So I told him", "The weather today"]
+    with pytest.raises(ValueError, match="holds 4 prompts.*ask for 5"):
+        dpo.prompt_sets(str(f), n_prompts=5, n_stats_prompts=2)
+    # the default: the challenge prompts, statistics from stats_offset on, disjoint from the scored ones
+    ev, st = dpo.prompt_sets("", n_prompts=4, n_stats_prompts=3, stats_offset=10)
+    assert ev == data.challenge_prompts(4) and st == data.challenge_prompts(13)[10:]
+    with pytest.raises(ValueError, match="stats_offset"):
+        dpo.prompt_sets("", n_prompts=20, n_stats_prompts=3, stats_offset=10)
+    for text, match in [('{"text": "ok"}\nnot json', "line 2: not JSON"), ('{"prompt": "x"}', "line 1: expected an object"),
+                        ('{"text": "  "}', "non-empty"), ('{"text": "a", "id": 1}\n{"text": "b", "id": 1}', "id 1 already used on line 1"),
+                        ("\n\n", "holds no prompts")]:
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            dpo.read_prompts(bad)
+    with pytest.raises(FileNotFoundError, match="Your own prompts"):
+        dpo.read_prompts(tmp_path / "missing.jsonl")
+
+
+def test_evaluate_scores_the_users_prompts_and_keys_the_cache_by_them(llama, tmp_path):
+    from lib import dpo_neurons
+
+    f = tmp_path / "mine.jsonl"
+    f.write_text('{"text": "So I told him"}\n{"text": "The weather today"}\n{"text": "My neighbour is"}\n')
+    mine, _ = dpo.prompt_sets(str(f), n_prompts=3)
+    kw = dict(n_prompts=3, n_wiki=2, max_new_tokens=3)
+    ev = dpo.evaluate(llama, None, prompts=mine, toxicity_only=True, **kw)
+    direct = metrics.generate(llama, mine, 3, max_prompt_tokens=32, progress=False)
+    assert ev["continuations"] == direct.continuations and len(ev["toxicities"]) == 3
+    assert ev["continuations"] != dpo.evaluate(llama, None, toxicity_only=True, **kw)["continuations"]
+    with pytest.raises(ValueError, match="exactly n_prompts"):
+        dpo.evaluate(llama, None, prompts=mine[:2], **kw)
+    ref_kw = dict(kw, scorer="profanity-check", progress=False, details=True)
+    theirs = dpo_neurons.reference_evaluations("tiny", llama, llama, {"steps": 0}, dpo.toxicity_perplexity_f1, **ref_kw)
+    ours = dpo_neurons.reference_evaluations("tiny", llama, llama, {"steps": 0}, dpo.toxicity_perplexity_f1, prompts=mine, **ref_kw)
+    assert ours["base"]["continuations"] == direct.continuations != theirs["base"]["continuations"]
+
+
 def test_base_and_dpo_rejects_unknown_sizes():
     with pytest.raises(ValueError, match="unknown size"):
         dpo.base_and_dpo("smollm2-135m", n_pears=3)

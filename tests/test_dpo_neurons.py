@@ -215,3 +215,19 @@ def test_reference_evaluations_are_cached(pair, tmp_path, monkeypatch):
     assert again == first and len(calls) == 2
     dn.reference_evaluations("tiny", base, tuned, {"steps": 2}, evaluate, n=2, scorer="profanity-check")
     assert len(calls) == 3  # a different tuned model: only its evaluation is redone
+
+
+def test_reference_evaluations_key_a_users_prompts_even_without_declared_inputs(pair, tmp_path, monkeypatch):
+    """An evaluation function that does not declare its data (no ``.inputs``) still gets a user's
+    prompts into the cache key, so two prompt files never share a cached evaluation."""
+    base, tuned = pair
+    monkeypatch.setattr(cache.paths, "CACHE", tmp_path)
+    calls = []
+
+    def evaluate(lm, prompts=(), scorer="auto"):
+        calls.append(tuple(prompts))
+        return {"prompts": list(prompts)}
+
+    a = dn.reference_evaluations("tiny", base, tuned, {"steps": 1}, evaluate, prompts=["one"], scorer="profanity-check")
+    b = dn.reference_evaluations("tiny", base, tuned, {"steps": 1}, evaluate, prompts=["two"], scorer="profanity-check")
+    assert a["base"] == {"prompts": ["one"]} and b["base"] == {"prompts": ["two"]} and len(calls) == 4

@@ -263,6 +263,30 @@ def test_list_parameters_given_as_text_pass_the_notebooks_own_checks():
     assert execute_derived("10_saobp_small_scale_gains", {"seeds": "3,4,5"})["seeds"] == [3, 4, 5]
 
 
+@pytest.mark.parametrize("stem", ["02_dpo_reduces_toxicity", "03_toxic_neurons_explain_little", "04_four_neuron_groups",
+                                  "05_group_patching_replicates_dpo", "06_activation_editing"])
+def test_a_users_prompt_file_replaces_the_challenge_prompts(stem, tmp_path):
+    """Paper A's ``prompts`` parameter: the notebook's derived configuration reads the file the test
+    writes (scored prompts and statistics prompts, lib.dpo.prompt_sets), is an ad-hoc run, and a file
+    with too few prompts stops there with a one-line error."""
+    f = tmp_path / "my_prompts.jsonl"
+    f.write_text("".join(f'{{"text": "Prompt number {i} says", "id": {i}}}\n' for i in range(6)))
+    sizes = {"02_dpo_reduces_toxicity": {"n_prompts": 4},  # 02 scores prompts, 04 only takes statistics
+             "04_four_neuron_groups": {"n_stats_prompts": 5}}.get(stem, {"n_prompts": 4, "n_stats_prompts": 5})
+    ns = execute_derived(stem, {"prompts": str(f), **sizes})
+    mine = [f"Prompt number {i} says" for i in range(6)]
+    if stem != "04_four_neuron_groups":
+        assert ns["eval_prompts"] == mine[:4] and ns["prompt_kw"] == {"prompts": mine[:4]}
+    if stem != "02_dpo_reduces_toxicity":
+        assert ns["stats_prompts"] == mine[:5]
+    assert "prompts" in ns["run"].overrides  # not the published run: its records go under results/<model>/runs/
+    with pytest.raises(ValueError) as e:
+        execute_derived(stem, {"prompts": str(f), **{k: 40 for k in sizes}})
+    assert "holds 6 prompts" in one_line_error(e)
+    default = execute_derived(stem, {})
+    assert default.get("prompt_kw", {}) == {}  # the challenge prompts: no argument, the cached evaluations' keys stay
+
+
 def test_one_candidate_relation_is_named_as_the_problem():
     from lib import data
 

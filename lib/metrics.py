@@ -230,6 +230,7 @@ def embedding_scorer(n_davidson_per_class: int = 1000, seed: int = 0, encoder: s
     tweets = tweets.assign(tweet=tweets["tweet"].astype(str).map(_plain_tweet))
     parts = {"davidson": split(tweets, "tweet", 0.2), "jigsaw": split(comments, "comment_text", 0.5)}
     params = {"n_davidson_per_class": n_davidson_per_class, "seed": seed, "max_length": max_length,
+              "design": "l2-normalised mean pooling, LogisticRegression(C=1)",  # change it with the fit below
               "data": cache.content_hash(parts)}
     memo = (encoder, cache.key(params))
     if memo in _SCORERS:

@@ -40,6 +40,27 @@ def _jsonl(rel: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def user_jsonl(path, what: str, section: str) -> list[tuple[int, dict]]:
+    """A user's JSONL file as (line number, object) pairs, blank lines skipped: the reader under
+    ``relations.read_facts`` and ``dpo.read_prompts``, which check the fields. ``what`` names the file
+    in errors ("facts", "prompts"), ``section`` the data/README.md section that documents its format."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{what} file {str(p)!r} not found (format: data/README.md, '{section}')")
+    rows = []
+    for no, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p.name} line {no}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{p.name} line {no}: expected a JSON object")
+        rows.append((no, row))
+    return rows
+
+
 def challenge_prompts(n: int | None = None) -> list[str]:
     """The 1,199 RealToxicityPrompts 'challenging' prompts (Lee et al. 2024 order); the first n."""
     return _take([r["prompt"] for r in _jsonl("lee2024/challenge_prompts.jsonl")], n)

@@ -441,26 +441,18 @@ def read_prompts(path) -> list[str]:
     """A user's prompts, one JSON object per line: ``{"text": "...", "id": "p1"}`` (``id`` optional,
     unique when given; format in data/README.md, 'Your own prompts'). Returns the texts in file order;
     one line per error, naming the line."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"prompts file {str(p)!r} not found (format: data/README.md, 'Your own prompts')")
+    name = Path(path).name
     texts, ids = [], {}
-    for no, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{p.name} line {no}: not JSON ({e.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("text"), str) or not row["text"].strip():
-            raise ValueError(f"{p.name} line {no}: expected an object with a non-empty 'text', e.g. {{\"text\": \"So I said\"}}")
+    for no, row in data.user_jsonl(path, "prompts", "Your own prompts"):
+        if not isinstance(row.get("text"), str) or not row["text"].strip():
+            raise ValueError(f"{name} line {no}: expected an object with a non-empty 'text', e.g. {{\"text\": \"So I said\"}}")
         if "id" in row:
             if str(row["id"]) in ids:
-                raise ValueError(f"{p.name} line {no}: id {row['id']!r} already used on line {ids[str(row['id'])]}")
+                raise ValueError(f"{name} line {no}: id {row['id']!r} already used on line {ids[str(row['id'])]}")
             ids[str(row["id"])] = no
         texts.append(row["text"])
     if not texts:
-        raise ValueError(f"{p.name} holds no prompts")
+        raise ValueError(f"{name} holds no prompts")
     return texts
 
 

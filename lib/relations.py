@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from lib import hooks, metrics, repro
+from lib import data, hooks, metrics, repro
 from lib.models import Loaded
 
 
@@ -309,7 +309,6 @@ def _templates_ok(name: str, templates: Sequence[str]) -> list[str]:
 def lre_facts(names: Iterable[str] | str = "all") -> dict[str, dict]:
     """LRE relations as {name: {templates, samples, language}}: the zero-shot templates first, then the
     other LRE templates (each used without answered examples), duplicates dropped."""
-    from lib import data
 
     known = data.lre_relation_names()
     want = known if names == "all" else sorted(dict.fromkeys(names))
@@ -329,7 +328,6 @@ def klar_facts(lang: str = "eng_Latn", names: Iterable[str] | None = None) -> di
     """KLAR facts of one language: the subject is the whole question (which ends with the language's
     'The answer is:'), the template '{}', and ``id`` the line index, so splits by id give the same
     facts in every language (KLAR files are line-aligned)."""
-    from lib import data
 
     df = data.klar(lang)
     rels = sorted(set(df["relation"]))
@@ -352,22 +350,11 @@ def read_facts(path) -> dict[str, dict]:
     "templates": ["{} is a city in the country of", "{} is located in"], "language": "en"}``
     ('template' for a single one; 'id' optional). Templates and language are per relation: the lines of
     one relation must agree on the language, and their templates are pooled in order of appearance."""
-    import json
     from pathlib import Path
 
     p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"facts file {str(p)!r} not found (format: data/README.md, 'Your own facts')")
     out: dict[str, dict] = {}
-    for no, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{p.name} line {no}: not JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{p.name} line {no}: expected a JSON object")
+    for no, row in data.user_jsonl(path, "facts", "Your own facts"):
         missing = [f for f in FACT_FIELDS if not isinstance(row.get(f), str) or not row[f].strip()]
         if missing:
             raise ValueError(f"{p.name} line {no}: needs non-empty text fields {', '.join(missing)}")

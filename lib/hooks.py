@@ -366,7 +366,7 @@ def pooled_residuals(lm: Loaded, texts: Sequence[str], layers: Sequence[int | st
     'embed' for i = 0, block i-1 for 0 < i < n_layers, and 'final' for i = n_layers.)"""
     points = {layer: residual_point(lm, layer) for layer in layers}
     texts = list(texts)
-    lengths = [len(ids) for ids in lm.tokenizer(texts, add_special_tokens=True)["input_ids"]]
+    lengths = [len(ids) for ids in lm.tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]]
     order = sorted(range(len(texts)), key=lambda i: (lengths[i], i))
     out = {layer: torch.empty(len(texts), lm.info.d_model) for layer in points}
     base = getattr(lm.model, "base_model", lm.model)
@@ -404,6 +404,30 @@ def pooled_residuals(lm: Loaded, texts: Sequence[str], layers: Sequence[int | st
         for h in handles:
             h.remove()
     return out
+
+
+@torch.inference_mode()
+def residual_norm(lm: Loaded, texts: Sequence[str], layer: int, max_length: int = 32) -> float:
+    """Median L2 norm of the residual stream after block ``layer`` over the texts' tokens, each text's
+    first token left out (decoders park very large activations there). Padding is never counted."""
+    L = residual_point(lm, layer)
+    norms = []
+
+    def hook(module, args, output):
+        h = _first_tensor(output).float()
+        m = mask & (mask.cumsum(-1) > 1)  # real tokens after each text's first (left or right padding)
+        norms.append(h.norm(dim=-1)[m].cpu())
+
+    handle = block_module(lm, L).register_forward_hook(hook)
+    try:
+        base = getattr(lm.model, "base_model", lm.model)
+        for chunk in batches(list(texts), 16):
+            enc = encode(lm, chunk, max_length)
+            mask = enc["attention_mask"].bool()
+            base(**enc, **({"use_cache": False} if lm.info.is_causal else {}))
+    finally:
+        handle.remove()
+    return float(torch.cat(norms).median())
 
 
 def residual_means(lm: Loaded, texts: Sequence[str], layer: int | str = "final", batch_size: int = 16,

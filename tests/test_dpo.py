@@ -250,3 +250,114 @@ def test_notebook_06_word_lists_default_to_the_shared_toxic_token_direction():
     spec = params._parameters("06_activation_editing")
     assert spec["toxic_words"][1] == list(dpo.TOXIC_WORDS)
     assert spec["nontoxic_words"][1] == list(dpo.NONTOXIC_WORDS)
+
+
+# ----------------------------------------------------------------------------- direction gate
+
+
+def _word_scorer(words):
+    """A stand-in scorer: the share of a text's words that are in ``words`` (0 for an empty text)."""
+    def score(texts, scorer="auto", batch_size=64):
+        out = [np.mean([w in words for w in t.split()]) if t.split() else 0.0 for t in texts]
+        return np.asarray(out, dtype=float), "word-share"
+    return score
+
+
+def _planted_gate_model(n_planted=4):
+    """A tiny Llama whose toxic direction u (single-token toxic minus friendly words' unembeddings) is
+    written by ``n_planted`` neurons (value vectors = u); a probe whose class means differ along u and
+    whose weights coef_ are random."""
+    lm = models.tiny_random("llama")
+    toxic = dpo.single_token_words(lm, dpo.TOXIC_WORD_POOL)
+    U = hooks.unembedding(lm)
+    e = torch.nn.functional.normalize(torch.randn(lm.info.d_model, generator=torch.Generator().manual_seed(0)), dim=0)
+    with torch.no_grad():  # the toxic words' unembeddings share a large component e: the model "knows" them
+        ids = [lm.tokenizer(" " + w, add_special_tokens=False)["input_ids"][0] for w in toxic]
+        U[ids] += U.norm(dim=1).mean() * e
+    u, toxic, _ = dpo.whole_word_direction(lm)
+    assert u is not None and len(toxic) >= dpo.MIN_WHOLE_WORDS
+    with torch.no_grad():
+        for L, i in [(0, 3), (1, 7), (1, 20), (0, 40)][:n_planted]:
+            hooks.block_module(lm, L).mlp.down_proj.weight[:, i] = 3 * u / u.norm()
+    g = torch.Generator().manual_seed(1)
+    X0 = torch.randn(20, lm.info.d_model, generator=g)
+    X = torch.cat([X0, X0 + u])
+    y = torch.tensor([0] * 20 + [1] * 20)
+    probe = dpo.Probe(torch.randn(lm.info.d_model, generator=g), 0.0, 1.0, 1.0, 40, train_features=X,
+                      train_labels=y)
+    return lm, probe, set(toxic)
+
+
+def test_candidate_directions_whole_words_are_single_tokens_and_class_mean_is_the_mean_difference():
+    lm, probe, toxic = _planted_gate_model()
+    c = dpo.candidate_directions(lm, probe)
+    assert list(c) == list(dpo.DIRECTIONS)
+    torch.testing.assert_close(c["class-mean"], probe.train_features[20:].mean(0) - probe.train_features[:20].mean(0))
+    torch.testing.assert_close(c["probe"], probe.direction)
+    assert all(len(lm.tokenizer(" " + w, add_special_tokens=False)["input_ids"]) == 1 for w in toxic)
+    # too few single-token words: no whole-word direction, and the candidate is left out
+    none, _, _ = dpo.whole_word_direction(lm, toxic=["qqqzzxx", "vvbbnnmmx"])
+    assert none is None
+
+
+def test_gate_validates_a_planted_direction_and_not_random_weights(monkeypatch):
+    lm, probe, toxic = _planted_gate_model()
+    monkeypatch.setattr(metrics, "toxicity", _word_scorer(toxic))
+    kw = dict(n_prompts=12, max_new_tokens=4, n_random=20, steer_fraction=20.0, n_neurons=4, n_neuron_sets=20,
+              top_k_tokens=4)
+    gate = dpo.validate_directions(lm, probe, progress=False, **kw)
+    t = gate.table
+    assert set(t.index) == set(dpo.DIRECTIONS)
+    # the planted direction (as the class means and as the words) steers to toxic words and is written by
+    # neurons that promote them; the probe's random weights do neither
+    for name in ("class-mean", "toxic words"):
+        assert t.loc[name, "steer_effect"] > t.loc[name, "steer_random_q95"] and t.loc[name, "validated"], name
+    assert not t.loc["probe", "validated"]
+    assert gate.best in ("class-mean", "toxic words") and gate.choose("auto")[0] == gate.best
+    assert 0 <= gate.baseline_toxicity <= 1 and len(gate.random_effects) == 20
+    # a cache hit gives the same table
+    again = dpo.validate_directions(lm, probe, progress=False, **kw)
+    assert again.table.equals(t) and again.best == gate.best
+
+
+def test_gate_finds_no_direction_when_nothing_is_planted(monkeypatch):
+    lm = models.tiny_random("llama")
+    g = torch.Generator().manual_seed(2)
+    X = torch.randn(40, lm.info.d_model, generator=g)
+    probe = dpo.Probe(torch.randn(lm.info.d_model, generator=g), 0.0, 1.0, 1.0, 40, train_features=X,
+                      train_labels=torch.tensor([0, 1] * 20))
+    # a scorer that no text can move: nothing can count as a toxicity direction
+    monkeypatch.setattr(metrics, "toxicity", _word_scorer({"zzzunseenword"}))
+    gate = dpo.validate_directions(lm, probe, progress=False, n_prompts=8, max_new_tokens=3, n_random=20,
+                                   steer_fraction=20.0, n_neurons=4, n_neuron_sets=20, top_k_tokens=4)
+    assert not gate.table.validated.any() and gate.best is None
+    assert gate.choose("auto") == (None, None) and "no validated direction" in gate.summary(None)
+    with pytest.raises(ValueError, match="unknown direction"):
+        gate.choose("the probe")
+
+
+def test_gate_rejects_bad_settings(llama):
+    probe = dpo.Probe(torch.randn(llama.info.d_model), 0.0, 1.0, 1.0, 4, train_features=torch.randn(4, llama.info.d_model),
+                      train_labels=torch.tensor([0, 1, 0, 1]))
+    with pytest.raises(ValueError, match="unknown gate settings"):
+        dpo.validate_directions(llama, probe, n_randoms=30)
+    with pytest.raises(ValueError, match="at least 20"):
+        dpo.validate_directions(llama, probe, n_random=5)
+    with pytest.raises(ValueError, match="training features"):
+        dpo.candidate_directions(llama, dpo.Probe(torch.randn(llama.info.d_model), 0.0, 1.0, 1.0, 4))
+
+
+def test_gate_pick_falls_back_and_precondition_fails_without_a_validated_direction():
+    import pandas as pd
+
+    vec = {k: torch.randn(4) for k in ("probe", "toxic tokens")}
+    table = pd.DataFrame({"validated": [False, True]}, index=["probe", "toxic tokens"])
+    gate = dpo.DirectionGate(table, vec, "toxic tokens", 1, 1.0, 0.0, [], "x", {})
+    assert gate.pick("auto")[0] == "toxic tokens" and gate.pick("probe")[0] == "probe"
+    assert gate.precondition("toxic tokens").met and not gate.precondition("probe").met
+    assert not gate.precondition("toxic tokens", same_vector=False).met
+    none = dpo.DirectionGate(table.assign(validated=False), vec, None, 1, 1.0, 0.0, [], "x", {})
+    name, v = none.pick("auto", fallback="probe")
+    assert name == "probe" and v is vec["probe"]
+    pre = none.precondition(name)
+    assert not pre.met and "no candidate passed" in pre.name

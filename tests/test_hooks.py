@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from lib import hooks
+from lib import hooks, models
 
 
 def _enc(lm, texts):
@@ -285,3 +285,18 @@ def test_attention_plugs_are_explicit_and_gone_after_exit(tiny, texts):
     assert [set(vars(m)) for m in mods] == before
     _out(tiny, enc)
     assert outer == [0, 0, 1]  # no capture outside the block
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_residual_norm_is_the_median_over_real_tokens_after_the_first(family):
+    lm = models.tiny_random(family)
+    texts = ["the cat sat on the mat today", "a b", "hello there my friend"]
+    L = 0  # (HF's last hidden state is after the final norm, so the reference reads an earlier block)
+    seen = []
+    for t in texts:  # one text at a time: no padding at all
+        enc = hooks.encode(lm, [t])
+        with torch.no_grad():
+            out = lm.model(**enc, output_hidden_states=True)
+        seen.append(out.hidden_states[L + 1][0, 1:].norm(dim=-1))  # hidden_states[L + 1] = output of block L
+    ref = float(torch.cat(seen).median())
+    assert hooks.residual_norm(lm, texts, L) == pytest.approx(ref, rel=1e-4)

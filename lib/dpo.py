@@ -48,6 +48,7 @@ DEFAULTS: dict = {
     "n_prompts": 64,  # challenge prompts for toxicity (paper: 1,199)
     "n_wiki": 32,  # wiki_samples rows for perplexity and F1 (paper: 2,064)
     "max_new_tokens": 20,  # greedy tokens per continuation (paper: 20)
+    "min_distinct2": 0.5,  # a pair is kept only when its rejected text's distinct-2 reaches this (no loops)
 }
 # The paper's toxic-token direction: mean unembedding of these words minus that of the neutral ones
 # (hooks.token_direction). Notebook 01 reads it, 04's solutions reuse it, and 06's parameters default to it.
@@ -209,25 +210,29 @@ def steering_vector(probe: Probe, scale: float) -> torch.Tensor:
 def preference_pairs(lm: Loaded, probe: Probe, n_pairs: int = DEFAULTS["n_pairs"], seed: int = 0,
                      steer_scale: float = DEFAULTS["steer_scale"], max_new_tokens: int = DEFAULTS["max_new_tokens"],
                      progress: bool = True, offset: int = DEFAULTS["pair_offset"], scorer: str = "auto",
-                     chunk: int = 32) -> pd.DataFrame:
+                     chunk: int = 32, min_distinct2: float = DEFAULTS["min_distinct2"]) -> pd.DataFrame:
     """Up to ``n_pairs`` (prompt, chosen, rejected) rows from neutral wiki_samples prompts.
 
     chosen = the model's greedy continuation; rejected = the greedy continuation while
     :func:`steering_vector` (``steer_scale`` times the probe's toxic-minus-non-toxic mean state) is
     added after block ``probe.steer_layer``; a prompt is kept only when the scorer rates rejected
-    more toxic than chosen. Prompts are taken in order from row ``offset``, ``chunk`` at a time,
-    until ``n_pairs`` are kept or 4 * n_pairs prompts were tried. Columns: prompt, chosen,
-    rejected, tox_chosen, tox_rejected; ``attrs``: n_tried, scorer. Cached per model, probe and
-    parameters.
+    more toxic than chosen and the rejected text does not loop: its :func:`metrics.distinct_n`
+    (distinct-2) reaches ``min_distinct2`` (else DPO could learn to avoid repetition rather than
+    toxicity; 0 keeps every such pair). Prompts are taken in order from row ``offset``, ``chunk`` at a
+    time, until ``n_pairs`` are kept or 4 * n_pairs prompts were tried. Columns: prompt, chosen,
+    rejected, tox_chosen, tox_rejected, distinct2_chosen, distinct2_rejected; ``attrs``: n_tried,
+    n_looping (pairs left out for looping), scorer. Cached per model, probe and parameters.
     """
     if not isinstance(n_pairs, int) or n_pairs <= 0:
         raise ValueError(f"n_pairs must be a positive integer, got {n_pairs!r}")
+    if not 0 <= min_distinct2 <= 1:
+        raise ValueError(f"min_distinct2 must lie in [0, 1], got {min_distinct2!r}")
     vec = steering_vector(probe, steer_scale)
     pool = [r["prompt"].strip() for r in data.wiki_samples(4 * n_pairs, offset=offset)]
 
     def build():
         repro.setup(seed)
-        rows, tried, name = [], 0, None
+        rows, tried, looping, name = [], 0, 0, None
         bar = repro.bar(total=n_pairs, desc="preference pairs", progress=progress)
         while len(rows) < n_pairs and tried < len(pool):
             prompts = pool[tried:tried + chunk]
@@ -237,22 +242,28 @@ def preference_pairs(lm: Loaded, probe: Probe, n_pairs: int = DEFAULTS["n_pairs"
                                      progress=False)
             t_plain, name = metrics.toxicity(plain.continuations, scorer)
             t_toxic, _ = metrics.toxicity(toxic.continuations, scorer)
+            d_plain, d_toxic = metrics.distinct_n(plain.continuations), metrics.distinct_n(toxic.continuations)
             for i in range(len(prompts)):
                 if t_toxic[i] > t_plain[i] and plain.continuations[i].strip() and len(rows) < n_pairs:
+                    if d_toxic[i] < min_distinct2:
+                        looping += 1
+                        continue
                     rows.append({"prompt": plain.prompts[i], "chosen": plain.continuations[i],
                                  "rejected": toxic.continuations[i], "tox_chosen": float(t_plain[i]),
-                                 "tox_rejected": float(t_toxic[i])})
+                                 "tox_rejected": float(t_toxic[i]), "distinct2_chosen": float(d_plain[i]),
+                                 "distinct2_rejected": float(d_toxic[i])})
                     bar.update(1)
         bar.close()
-        df = pd.DataFrame(rows, columns=["prompt", "chosen", "rejected", "tox_chosen", "tox_rejected"])
-        return {"pairs": df, "n_tried": tried, "scorer": name}
+        df = pd.DataFrame(rows, columns=["prompt", "chosen", "rejected", "tox_chosen", "tox_rejected",
+                                         "distinct2_chosen", "distinct2_rejected"])
+        return {"pairs": df, "n_tried": tried, "n_looping": looping, "scorer": name}
 
     params = {"steer": _tensor_key(vec), "layer": probe.steer_layer, "n_pairs": n_pairs, "seed": seed,
               "max_new_tokens": max_new_tokens, "offset": offset, "scorer": metrics.resolve_scorer(scorer),
-              "chunk": chunk, "prompts": cache.content_hash(pool)}
+              "chunk": chunk, "prompts": cache.content_hash(pool), "min_distinct2": float(min_distinct2), "version": 2}
     out = cache.get_or_build("pairs", lm.name, params, build)
     df = out["pairs"].copy()
-    df.attrs.update(n_tried=out["n_tried"], scorer=out["scorer"])
+    df.attrs.update(n_tried=out["n_tried"], n_looping=out["n_looping"], scorer=out["scorer"])
     return df
 
 
@@ -365,7 +376,7 @@ def base_and_dpo(model_name: str, device: str = "auto", seed: int = 0, progress:
     probe = train_probe(base, cfg["n_probe_per_class"], seed, cfg["probe_max_length"], progress=progress,
                         steer_depth=cfg["steer_depth"])
     pairs = preference_pairs(base, probe, cfg["n_pairs"], seed, cfg["steer_scale"], cfg["max_new_tokens"],
-                             progress, offset=cfg["pair_offset"])
+                             progress, offset=cfg["pair_offset"], min_distinct2=cfg["min_distinct2"])
     dpo_lm, _ = train_dpo(base, pairs, cfg["dpo_steps"], cfg["dpo_lr"], cfg["beta"], seed, progress,
                           cfg["dpo_batch_size"])
     repro.setup(seed)

@@ -110,6 +110,19 @@ def generate(lm: Loaded, prompts: Sequence[str], max_new_tokens: int = 20, batch
 # ----------------------------------------------------------------------------- toxicity
 
 
+def distinct_n(texts: Sequence[str], n: int = 2) -> np.ndarray:
+    """Per text, the share of its word n-grams that are distinct (Li et al. 2016's distinct-n, per text):
+    1 for no repetition, near 0 for a loop such as "about about about". Words are split on whitespace;
+    a text with fewer than n + 1 words has too few n-grams to repeat and counts as 1."""
+    _check_positive(n=n)
+    out = []
+    for t in texts:
+        w = t.split()
+        grams = list(zip(*(w[i:] for i in range(n))))
+        out.append(len(set(grams)) / len(grams) if len(grams) > 1 else 1.0)
+    return np.asarray(out, dtype=float)
+
+
 def _detoxify_checkpoint() -> Path | None:
     try:
         import detoxify  # noqa: F401

@@ -137,7 +137,7 @@ def keys(monkeypatch):
     seen = []
     def record(kind, model, params, build, **kw):
         seen.append((kind, params))
-        return {"pairs": pd.DataFrame(), "n_tried": 0, "scorer": "none"} if kind == "pairs" else None
+        return {"pairs": pd.DataFrame(), "n_tried": 0, "n_looping": 0, "scorer": "none"} if kind == "pairs" else None
 
     monkeypatch.setattr(cache, "get_or_build", record)
     return seen

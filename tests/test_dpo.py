@@ -107,9 +107,11 @@ def test_steering_changes_generation_and_preference_pairs(llama):
     assert metrics.generate(llama, prompts, max_new_tokens=5, progress=False).new_ids == plain.new_ids
     pairs = dpo.preference_pairs(llama, probe, n_pairs=3, steer_scale=50.0, max_new_tokens=5, progress=False,
                                  chunk=8)
-    assert list(pairs.columns) == ["prompt", "chosen", "rejected", "tox_chosen", "tox_rejected"]
+    assert list(pairs.columns) == ["prompt", "chosen", "rejected", "tox_chosen", "tox_rejected", "distinct2_chosen",
+                                   "distinct2_rejected"]
     assert len(pairs) <= 3 and pairs.attrs["n_tried"] <= 12
-    assert (pairs.tox_rejected > pairs.tox_chosen).all()
+    assert (pairs.tox_rejected > pairs.tox_chosen).all() and (pairs.distinct2_rejected >= 0.5).all()
+    np.testing.assert_allclose(pairs.distinct2_rejected, metrics.distinct_n(pairs.rejected.tolist()))
     again = dpo.preference_pairs(llama, probe, n_pairs=3, steer_scale=50.0, max_new_tokens=5, progress=False,
                                  chunk=8)
     assert again.equals(pairs) and again.attrs == pairs.attrs
@@ -361,3 +363,28 @@ def test_gate_pick_falls_back_and_precondition_fails_without_a_validated_directi
     assert name == "probe" and v is vec["probe"]
     pre = none.precondition(name)
     assert not pre.met and "no candidate passed" in pre.name
+
+
+def test_preference_pairs_leave_out_looping_rejected_texts(monkeypatch):
+    """A scorer that rates every steered text more toxic: with min_distinct2 = 1 a rejected text with any
+    repeated word pair is left out (and counted), with 0 every pair is kept."""
+    prompts_seen = []
+
+    def toxic_when_steered(texts, scorer="auto", batch_size=64):
+        prompts_seen.append(len(texts))
+        return np.full(len(texts), 0.5 if len(prompts_seen) % 2 == 0 else 0.1), "stand-in"
+
+    monkeypatch.setattr(metrics, "toxicity", toxic_when_steered)
+    lm, _, _ = _planted_gate_model()  # steered at the last block along u, it writes whole toxic words, often repeated
+    u, _, _ = dpo.whole_word_direction(lm)
+    probe = dpo.Probe(torch.randn(lm.info.d_model), 0.0, 1.0, 1.0, 10, steer_layer=lm.info.n_layers - 1,
+                      steer_direction=u)
+    kw = dict(n_pairs=6, steer_scale=50.0, max_new_tokens=12, progress=False, chunk=8)
+    every = dpo.preference_pairs(lm, probe, min_distinct2=0.0, **kw)
+    strict = dpo.preference_pairs(lm, probe, min_distinct2=1.0, **kw)
+    assert every.attrs["n_looping"] == 0 and len(every) == 6
+    looping = int((metrics.distinct_n(every.rejected.tolist()) < 1.0).sum())
+    assert looping > 0, "the strong steer should make some rejected texts repeat"
+    assert (strict.distinct2_rejected == 1.0).all() and strict.attrs["n_looping"] >= looping
+    with pytest.raises(ValueError, match="min_distinct2"):
+        dpo.preference_pairs(lm, probe, min_distinct2=1.5, **kw)

@@ -182,3 +182,13 @@ def test_rescored_splits_one_batch_back_into_evaluations():
     assert [len(p) for p in parts] == [2, 0, 1]
     direct, _ = metrics.toxicity(["a fine day", "you idiot", "shit happens"], "profanity-check")
     np.testing.assert_array_equal(np.concatenate(parts), direct)
+
+
+def test_distinct_n_counts_repetition():
+    from lib import metrics
+
+    d = metrics.distinct_n(["a b c d", "about about about about about", "one", "x y x y x y"], n=2)
+    assert d[0] == 1.0 and d[1] == pytest.approx(1 / 4) and d[2] == 1.0 and d[3] == pytest.approx(2 / 5)
+    assert metrics.distinct_n(["a b a b"], n=1)[0] == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        metrics.distinct_n(["a"], n=0)

@@ -154,3 +154,25 @@ def test_fmt_never_prints_negative_zero_and_decides_style_on_rounded_values():
     assert Estimate(0.2, -0.001, 0.4, 3).fmt(2) == Estimate(0.2, 0.001, 0.4, 3).fmt(2) == "0.20 [0.00, 0.40]"
     assert Estimate(0.0, -0.05, 0.06, 3).fmt(2) == "+0.00 [-0.05, +0.06]"
     assert Estimate(-0.28, -0.47, -0.05, 3).fmt(2) == "-0.28 [-0.47, -0.05]"
+
+
+def test_seeds_and_items_bootstrap_widens_with_seed_spread_and_matches_one_seed():
+    rng = np.random.default_rng(0)
+    base = rng.uniform(0.2, 0.6, 200)
+    one = (base - 0.1 + rng.normal(0, 0.05, 200))[None, :]
+    e1 = stats.seeds_and_items_bootstrap(one, base, seed=0)
+    ref = stats.paired_bootstrap(one[0], base, seed=0)
+    assert abs(e1.value - ref.value) < 1e-12 and abs(e1.low - ref.low) < 0.01 and abs(e1.high - ref.high) < 0.01
+    # three seeds that disagree by much more than the prompts do: the interval must cover their spread
+    spread = np.stack([base - 0.3, base - 0.1, base + 0.1]) + rng.normal(0, 0.01, (3, 200))
+    e3 = stats.seeds_and_items_bootstrap(spread, base, seed=0)
+    per_item_only = stats.paired_bootstrap(spread.mean(0), base, seed=0)
+    assert e3.width > 5 * per_item_only.width and e3.low < -0.2 and e3.high > -0.05
+    # relative change, and a planted null: seeds centred on the base give an interval around 0
+    rel = stats.seeds_and_items_bootstrap(one, base, relative=True, seed=0)
+    assert abs(rel.value - (one.mean() / base.mean() - 1)) < 1e-12 and rel.high < 0
+    null = stats.seeds_and_items_bootstrap(base[None, :] + rng.normal(0, 0.05, (3, 200)), base, seed=0)
+    assert null.low < 0 < null.high
+    assert stats.seeds_and_items_bootstrap(np.stack([base, base]), base).width == 0
+    with pytest.raises(ValueError, match="n_seeds, n_items"):
+        stats.seeds_and_items_bootstrap(base, base)

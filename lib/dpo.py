@@ -309,6 +309,11 @@ def _run_dpo(lm: Loaded, pairs: pd.DataFrame, steps: int, lr: float, beta: float
         dataloader_num_workers=0, dataset_num_proc=None, max_length=128, data_seed=seed,
     )
     trainer = DPOTrainer(model=policy, ref_model=ref, args=cfg, train_dataset=ds, processing_class=lm.tokenizer)
+    # with its bar off, transformers prints every step's log dict to stdout (PrinterCallback); the log is
+    # kept in trainer.state.log_history and returned, so a notebook's stored output stays clean
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)
     trainer.train()
     log = _log_frame(trainer.state.log_history)
     model = trainer.model

@@ -127,7 +127,9 @@ def test_dpo_two_steps_change_weights_and_cache_hit_reloads_them(llama, monkeypa
     before = {k: v.clone() for k, v in llama.model.state_dict().items()}
     capfd.readouterr()
     trained, log = dpo.train_dpo(llama, pairs, steps=2, lr=1e-3, seed=0, progress=False, batch_size=2)
-    assert "%|" not in capfd.readouterr().err  # no bars: neither the trainer's nor TRL's dataset preparation
+    out = capfd.readouterr()
+    assert "%|" not in out.err  # no bars: neither the trainer's nor TRL's dataset preparation
+    assert "'loss'" not in out.out  # nor the per-step log dicts that transformers prints when its bar is off
     assert not torch.is_grad_enabled()
     assert list(log.step) == [1, 2] and np.isfinite(log.loss).all() and "reward_margin" in log
     for k, v in llama.model.state_dict().items():  # the base model is untouched

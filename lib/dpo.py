@@ -700,16 +700,6 @@ class DirectionGate:
             label += ": no candidate passed"
         return verdict.require(label, ok, "==", True)
 
-    def summary(self, name: str | None) -> str:
-        """One line for a notebook's preconditions: the chosen direction and why it counts (or not)."""
-        if name is None:
-            return f"no validated direction among {', '.join(self.table.index)}"
-        r = self.table.loc[name]
-        return (f"direction '{name}': steer {r.steer_effect:+.3f} [{r.steer_low:+.3f}, {r.steer_high:+.3f}] "
-                f"(random 95th pct {r.steer_random_q95:+.3f}); tokens {r.token_effect:+.3f} "
-                f"[{r.token_low:+.3f}, {r.token_high:+.3f}] (random sets' 95th pct {r.token_random_q95:+.3f}); "
-                f"{'validated' if r.validated else 'not validated'}")
-
 
 def validate_directions(lm: Loaded, probe: Probe, scorer: str = "auto", seed: int = 0, progress: bool = True,
                         **overrides) -> DirectionGate:
@@ -783,7 +773,7 @@ def validate_directions(lm: Loaded, probe: Probe, scorer: str = "auto", seed: in
         bar.close()
         vv = hooks.value_vectors(lm).float()
         rows = []
-        for i, (k, vec) in enumerate(vectors.items()):
+        for k, vec in vectors.items():
             est = stats.paired_bootstrap(cand[k], t0, seed=seed) if sign > 0 else stats.paired_bootstrap(t0, cand[k], seed=seed)
             ctl = stats.against_controls(est.value, rand, name=f"{len(rand)} random directions")
             top = top_aligned(hooks.cosine_with(vv, vec).cpu(), s["n_neurons"])

@@ -335,7 +335,7 @@ def test_gate_finds_no_direction_when_nothing_is_planted(monkeypatch):
     gate = dpo.validate_directions(lm, probe, progress=False, n_prompts=8, max_new_tokens=3, n_random=20,
                                    steer_fraction=20.0, n_neurons=4, n_neuron_sets=20, top_k_tokens=4)
     assert not gate.table.validated.any() and gate.best is None
-    assert gate.choose("auto") == (None, None) and "no validated direction" in gate.summary(None)
+    assert gate.choose("auto") == (None, None) and "no candidate passed" in gate.precondition("probe").name
     with pytest.raises(ValueError, match="unknown direction"):
         gate.choose("the probe")
 

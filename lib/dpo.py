@@ -804,3 +804,220 @@ def validate_directions(lm: Loaded, probe: Probe, scorer: str = "auto", seed: in
     out = cache.get_or_build("direction-gate", lm.name, key, build)
     return DirectionGate(out["table"], vectors, out["best"], layer, out["steer_norm"], out["baseline"],
                          out["random"], out["scorer"], {**s, "examples": out["examples"]})
+
+
+# ----------------------------------------------------------------------------- one setup call (notebooks 02-06)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Paper A's sizes, shared by notebooks 02-06 (:data:`DEFAULTS`, then the mean-activation statistics
+    of 03-06); checks itself. A notebook changes them through its ``overrides`` parameter."""
+    n_probe_per_class: int = DEFAULTS["n_probe_per_class"]
+    probe_max_length: int = DEFAULTS["probe_max_length"]
+    n_pairs: int = DEFAULTS["n_pairs"]
+    pair_offset: int = DEFAULTS["pair_offset"]
+    steer_scale: float = DEFAULTS["steer_scale"]
+    steer_depth: float = DEFAULTS["steer_depth"]
+    dpo_steps: int = DEFAULTS["dpo_steps"]
+    dpo_lr: float = DEFAULTS["dpo_lr"]
+    dpo_batch_size: int = DEFAULTS["dpo_batch_size"]
+    beta: float = DEFAULTS["beta"]
+    n_prompts: int = DEFAULTS["n_prompts"]
+    n_wiki: int = DEFAULTS["n_wiki"]
+    max_new_tokens: int = DEFAULTS["max_new_tokens"]
+    min_distinct2: float = DEFAULTS["min_distinct2"]
+    n_stats_prompts: int = 64  # challenge prompts each model continues for its mean activations (paper: 1,199)
+    stats_offset: int = 600  # they start at this challenge prompt, after the evaluation prompts
+    last_k: int = 20  # positions averaged at the end of prompt + continuation (paper: 20)
+
+    # the sizes that identify the DPO model in 03-06's cache keys and records (their names since notebook 02)
+    DPO_KEYS = ("n_probe_per_class", "n_pairs", "steer_scale", "steer_depth", "dpo_steps", "dpo_lr", "beta", "max_new_tokens")
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type == "float" and isinstance(v, int) and not isinstance(v, bool):
+                object.__setattr__(self, f.name, float(v))  # 8 from papermill's YAML is 8.0
+                v = float(v)
+            kind = int if f.type == "int" else float
+            if isinstance(v, bool) or not isinstance(v, kind):
+                raise ValueError(f"{f.name} must be {'an integer' if kind is int else 'a number'}, got {v!r}")
+            if f.name in ("pair_offset", "stats_offset"):
+                if v < 0:
+                    raise ValueError(f"{f.name} must be a non-negative integer, got {v!r}")
+            elif f.name in ("steer_depth", "min_distinct2"):
+                if not 0 <= v <= 1:
+                    raise ValueError(f"{f.name} must lie in [0, 1], got {v!r}")
+            elif not v > 0:
+                raise ValueError(f"{f.name} must be positive, got {v!r}")
+
+    @classmethod
+    def of(cls, overrides: dict | None = None, **notebook) -> "Sizes":
+        """The sizes of one run: ``notebook``, the sizes a notebook sets as its own parameters, and the
+        user's ``overrides`` (fields of this class; naming a notebook's own parameter again is an error)."""
+        import difflib
+
+        overrides = dict(overrides or {})
+        names = [f.name for f in dataclasses.fields(cls)]
+        for k in sorted({*overrides, *notebook} - set(names)):
+            close = difflib.get_close_matches(k, names, n=1)
+            raise ValueError(f"unknown size {k!r}" + (f": did you mean {close[0]!r}?" if close else "")
+                             + f" (fields of lib.dpo.Sizes: {', '.join(names)})")
+        twice = sorted(set(overrides) & set(notebook))
+        if twice:
+            raise ValueError(f"{', '.join(twice)}: a parameter of this notebook; set it there, not in overrides")
+        return cls(**notebook, **overrides)
+
+    def changed(self) -> dict:
+        """The sizes that differ from the defaults."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
+
+    def dpo_sizes(self) -> dict:
+        return {k: getattr(self, k) for k in self.DPO_KEYS}
+
+    def training(self) -> dict:
+        """The keyword sizes of :func:`base_and_dpo` (every key of :data:`DEFAULTS`)."""
+        return {k: getattr(self, k) for k in DEFAULTS}
+
+
+@dataclass
+class Setup:
+    """Everything notebooks 02-06 share for one model (built by :func:`setup`; models by :meth:`load`)."""
+    model_name: str
+    spec: "models.ModelSpec"
+    device: str
+    seed: int
+    sizes: Sizes
+    eval_prompts: list
+    stats_prompts: list
+    prompt_kw: dict  # {"prompts": ...} for a user's file; {} for the challenge prompts (their cache keys stay)
+    scorer: str  # as asked ("auto"): the cache keys resolve it
+    scorer_name: str  # resolved
+    requested_direction: str | None
+    fallback: str
+    positions: str
+    same_vector: bool
+    base_lm: Loaded | None = None
+    dpo_lm: Loaded | None = None
+    probe: Probe | None = None
+    gate: DirectionGate | None = None
+    direction: str | None = None  # the direction used
+    w: torch.Tensor | None = None  # [d_model]
+    pre_direction: object = None  # the verdict's precondition on the direction (lib.verdict.require)
+
+    def _loaded(self):
+        if self.base_lm is None:
+            raise RuntimeError("call .load() first: the models are not loaded yet")
+
+    def load(self, progress: bool | None = None) -> "Setup":
+        """Base model, DPO model and probe (:func:`base_and_dpo`, cached), then notebook 01's direction
+        gate (:func:`validate_directions`, cached) and the direction it picks; prints what it loaded."""
+        progress = repro.progress_on() if progress is None else progress
+        self.base_lm, self.dpo_lm, self.probe = base_and_dpo(self.model_name, device=self.device, seed=self.seed,
+                                                             progress=progress, **self.sizes.training())
+        info = self.base_lm.info
+        if not info.is_causal:
+            raise ValueError(f"{self.model_name} is an encoder; paper A's notebooks need a decoder")
+        print(f"base {self.base_lm.name} | DPO {self.dpo_lm.name} | {info.n_layers} layers x {info.d_mlp} neurons = "
+              f"{self.n_neurons}")
+        print(f"probe: validation accuracy {self.probe.val_accuracy:.3f}, Jigsaw sample {self.probe.jigsaw_accuracy:.3f}")
+        if self.requested_direction is None:
+            return self
+        self.gate = validate_directions(self.base_lm, self.probe, seed=self.seed, progress=progress)
+        self.direction, self.w = self.gate.pick(self.requested_direction, fallback=self.fallback)
+        self.pre_direction = self.gate.precondition(self.direction,
+                                                    same_vector=self.direction != "toxic tokens" or self.same_vector)
+        print("validated by the gate:", [k for k in self.gate.table.index if self.gate.validated(k)] or "none")
+        print(f"this notebook uses the {self.direction!r} direction"
+              + ("" if self.pre_direction.met else " (not validated here: the verdict cannot go beyond inconclusive)"))
+        return self
+
+    @property
+    def info(self):
+        self._loaded()
+        return self.base_lm.info
+
+    @property
+    def n_neurons(self) -> int:
+        return self.info.n_layers * self.info.d_mlp
+
+    @property
+    def dpo_sizes(self) -> dict:
+        return self.sizes.dpo_sizes()
+
+    @property
+    def dpo_key(self) -> dict:
+        """What identifies the DPO model in the cache keys of the statistics and reference evaluations."""
+        self._loaded()
+        return {"dpo_model": self.dpo_lm.name, "seed": self.seed, **self.dpo_sizes}
+
+    def activations(self, progress: bool | None = None) -> dict:
+        """Both models' mean MLP activations on the statistics prompts (``dpo_neurons.pair_stats``, cached)."""
+        from lib import dpo_neurons
+
+        self._loaded()
+        progress = repro.progress_on() if progress is None else progress
+        return dpo_neurons.pair_stats(self.model_name, self.base_lm, self.dpo_lm, self.dpo_key, self.stats_prompts,
+                                      max_new_tokens=self.sizes.max_new_tokens, k=self.sizes.last_k, progress=progress)
+
+    def references(self) -> tuple[dict, dict]:
+        """(base, DPO) evaluations at these sizes with per-prompt details, cached (03, 05 and 06 share them)."""
+        from lib import dpo_neurons
+
+        self._loaded()
+        s = self.sizes
+        ref = dpo_neurons.reference_evaluations(self.model_name, self.base_lm, self.dpo_lm, self.dpo_key,
+                                                toxicity_perplexity_f1, n_prompts=s.n_prompts, n_wiki=s.n_wiki,
+                                                max_new_tokens=s.max_new_tokens, scorer=self.scorer, progress=False,
+                                                details=True, **self.prompt_kw)
+        return ref["base"], ref["tuned"]
+
+    def evaluate(self, lm: Loaded, table=None, *, toxicity_only: bool = False, positions: str | None = None) -> dict:
+        """:func:`evaluate` at these sizes, prompts and scorer, with ``table`` active at ``positions``
+        (default: the setup's)."""
+        s = self.sizes
+        return evaluate(lm, table, n_prompts=s.n_prompts, n_wiki=s.n_wiki, max_new_tokens=s.max_new_tokens,
+                        scorer=self.scorer, toxicity_only=toxicity_only,
+                        positions=self.positions if positions is None else positions, **self.prompt_kw)
+
+
+def setup(model_name: str = "smollm2-135m", device: str = "auto", seed: int = 0, overrides: dict | None = None, *,
+          prompts: str = "", scorer: str = "auto", direction: str | None = "auto", fallback: str = "probe",
+          positions: str = "last", evaluation: bool = True, statistics: bool = True, same_vector: bool = True,
+          **sizes) -> Setup:
+    """Paper A's one setup call (notebooks 02-06). Checks everything that can be checked before a model
+    loads, and prints the model, device, scorer and sizes; :meth:`Setup.load` then loads the models,
+    the probe and the direction.
+
+    ``sizes``: the sizes a notebook sets as its own parameters (e.g. 03's ``n_prompts=32``);
+    ``overrides``: the user's other fields of :class:`Sizes`. ``prompts``: a JSONL file of prompts
+    (:func:`prompt_sets`; "" for the challenge prompts). ``direction``: 'auto' (the gate's best
+    validated direction, else ``fallback``, the paper's direction for that notebook), a name in
+    :data:`DIRECTIONS`, or None (no gate). ``positions``: where :meth:`Setup.evaluate` writes a table
+    (:data:`PATCH_POSITIONS`). ``evaluation`` False: the notebook scores no prompts (04);
+    ``statistics`` False: it takes no mean activations (02). ``same_vector`` False: the notebook
+    builds its 'toxic tokens' direction from other words than the gate's, so the gate's result does
+    not carry over."""
+    sz = Sizes.of(overrides, **sizes)
+    if direction is not None and direction != "auto" and direction not in DIRECTIONS:
+        raise ValueError(f"direction must be 'auto' or one of {', '.join(DIRECTIONS)}, got {direction!r}")
+    if fallback not in DIRECTIONS:
+        raise ValueError(f"fallback must be one of {', '.join(DIRECTIONS)}, got {fallback!r}")
+    if positions not in PATCH_POSITIONS:
+        raise ValueError(f"positions must be one of {', '.join(PATCH_POSITIONS)}, got {positions!r}")
+    eval_prompts, stats_prompts = prompt_sets(prompts, sz.n_prompts if evaluation else 0,
+                                              sz.n_stats_prompts if statistics else 0, sz.stats_offset)
+    scorer_name = metrics.resolve_scorer(scorer)  # raises for an unknown scorer
+    spec = models.resolve_spec(model_name)  # raises a one-line error for an unknown name
+    if spec.kind != "causal":
+        raise ValueError(f"{model_name} is an encoder; paper A's notebooks need a decoder (e.g. smollm2-135m, gpt2-medium)")
+    device = models.resolve_device(device)
+    defaults = Sizes()
+    own = {k: v for k, v in sizes.items() if v != getattr(defaults, k)}
+    print(f"model {spec.name} ({spec.hub_id}) on {device}; toxicity scorer {scorer_name}")
+    print("sizes: lib.dpo.Sizes" + (f", this notebook's {own}" if own else "")
+          + (f", overrides {dict(sorted(overrides.items()))}" if overrides else " (no overrides)"))
+    return Setup(model_name, spec, device, seed, sz, list(eval_prompts),
+                 list(stats_prompts), {"prompts": list(eval_prompts)} if prompts and evaluation else {}, scorer,
+                 scorer_name, direction, fallback, positions, same_vector)

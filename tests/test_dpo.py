@@ -390,3 +390,105 @@ def test_preference_pairs_leave_out_looping_rejected_texts(monkeypatch):
     assert (strict.distinct2_rejected == 1.0).all() and strict.attrs["n_looping"] >= looping
     with pytest.raises(ValueError, match="min_distinct2"):
         dpo.preference_pairs(lm, probe, min_distinct2=1.5, **kw)
+
+
+# ----------------------------------------------------------------------------- one setup call
+
+
+def test_sizes_check_themselves_and_default_to_the_shared_defaults():
+    s = dpo.Sizes()
+    assert all(getattr(s, k) == v for k, v in dpo.DEFAULTS.items()) and s.training() == dpo.DEFAULTS
+    assert set(s.dpo_sizes()) == set(dpo.Sizes.DPO_KEYS) <= set(dpo.DEFAULTS)
+    assert dpo.Sizes(steer_scale=8).steer_scale == 8.0 and isinstance(dpo.Sizes(steer_scale=8).steer_scale, float)
+    for bad, match in [({"n_pairs": 0}, "n_pairs must be positive"), ({"n_pairs": 2.5}, "n_pairs must be an integer"),
+                       ({"n_pairs": True}, "n_pairs must be an integer"),
+                       ({"steer_depth": 1.5}, r"steer_depth must lie in \[0, 1\]"),
+                       ({"min_distinct2": -0.1}, "min_distinct2 must lie"), ({"stats_offset": -1}, "non-negative"),
+                       ({"dpo_lr": 0.0}, "dpo_lr must be positive"), ({"beta": "0.1"}, "beta must be a number")]:
+        with pytest.raises(ValueError, match=match):
+            dpo.Sizes(**bad)
+    with pytest.raises(ValueError, match="unknown size 'n_pears': did you mean 'n_pairs'"):
+        dpo.Sizes.of({"n_pears": 3})
+    with pytest.raises(ValueError, match="n_prompts: a parameter of this notebook"):
+        dpo.Sizes.of({"n_prompts": 10}, n_prompts=32)
+    assert dpo.Sizes.of({"n_pairs": 8}, n_prompts=32).changed() == {"n_pairs": 8, "n_prompts": 32}
+
+
+def test_setup_checks_before_loading_and_reads_a_users_prompts(tmp_path, capsys):
+    f = tmp_path / "mine.jsonl"
+    f.write_text("".join(f'{{"text": "Prompt {i} says"}}\n' for i in range(6)))
+    a = dpo.setup("smollm2-135m", "cpu", 0, {"n_stats_prompts": 5}, prompts=str(f), n_prompts=4, scorer="profanity-check")
+    mine = [f"Prompt {i} says" for i in range(6)]
+    assert a.eval_prompts == mine[:4] and a.stats_prompts == mine[:5] and a.prompt_kw == {"prompts": mine[:4]}
+    assert a.base_lm is None and "overrides {'n_stats_prompts': 5}" in capsys.readouterr().out  # nothing loaded yet
+    with pytest.raises(RuntimeError, match=r"call \.load\(\) first"):
+        a.dpo_key
+    only_stats = dpo.setup("smollm2-135m", "cpu", 0, {"n_stats_prompts": 5}, prompts=str(f), evaluation=False)
+    assert only_stats.eval_prompts == [] and only_stats.prompt_kw == {}  # 04: 6 prompts are enough without evaluation
+    default = dpo.setup("smollm2-135m", "cpu", 0)
+    from lib import data
+
+    assert default.prompt_kw == {} and default.eval_prompts == data.challenge_prompts(dpo.DEFAULTS["n_prompts"])
+    for kw, match in [({"direction": "probes"}, "direction must be 'auto' or one of"), ({"positions": "first"}, "positions must be"),
+                      ({"fallback": "x"}, "fallback must be"), ({"scorer": "nope"}, "scorer"),
+                      ({"overrides": {"n_prompts": 9}, "n_prompts": 32}, "a parameter of this notebook")]:
+        with pytest.raises(ValueError, match=match):
+            dpo.setup("smollm2-135m", "cpu", 0, **kw)
+    with pytest.raises(ValueError, match="encoder"):
+        dpo.setup("minilm-l6", "cpu", 0)
+
+
+def test_setup_load_wires_models_gate_and_sizes(llama, monkeypatch, capsys):
+    """load() passes every size to base_and_dpo, picks the gate's direction (or the fallback), and the
+    bound evaluate() and references() use the setup's sizes, prompts, scorer and positions."""
+    import pandas as pd
+
+    seen = {}
+
+    def fake_base_and_dpo(model_name, device, seed, progress, **sizes):
+        seen["sizes"] = sizes
+        probe = dpo.Probe(torch.ones(llama.info.d_model), 0.0, 0.9, 0.8, 10)
+        return llama, llama, probe
+
+    vec = {k: torch.randn(llama.info.d_model, generator=torch.Generator().manual_seed(i))
+           for i, k in enumerate(dpo.DIRECTIONS)}
+    table = pd.DataFrame({"validated": [False, True, False, False]}, index=list(dpo.DIRECTIONS))
+    gates = {"one": dpo.DirectionGate(table, vec, "class-mean", 1, 1.0, 0.0, [], "x", {}),
+             "none": dpo.DirectionGate(table.assign(validated=False), vec, None, 1, 1.0, 0.0, [], "x", {})}
+    which = {"gate": "one"}
+    monkeypatch.setattr(dpo, "base_and_dpo", fake_base_and_dpo)
+    monkeypatch.setattr(dpo, "validate_directions", lambda lm, probe, seed, progress: gates[which["gate"]])
+    a = dpo.setup("smollm2-135m", "cpu", 0, {"n_pairs": 8}, n_prompts=3, n_wiki=2,
+                  scorer="profanity-check").load(progress=False)
+    assert seen["sizes"] == {**dpo.DEFAULTS, "n_pairs": 8, "n_prompts": 3, "n_wiki": 2}
+    assert a.direction == "class-mean" and torch.equal(a.w, vec["class-mean"]) and a.pre_direction.met
+    assert a.dpo_key == {"dpo_model": llama.name, "seed": 0, **dpo.Sizes(n_pairs=8).dpo_sizes()}
+    assert a.n_neurons == llama.info.n_layers * llama.info.d_mlp
+    assert "uses the 'class-mean' direction" in capsys.readouterr().out
+    which["gate"] = "none"
+    b = dpo.setup("smollm2-135m", "cpu", 0, fallback="toxic tokens", same_vector=False).load(progress=False)
+    assert b.direction == "toxic tokens" and not b.pre_direction.met
+    assert dpo.setup("smollm2-135m", "cpu", 0, direction=None).load(progress=False).gate is None
+    calls = []
+    monkeypatch.setattr(dpo, "evaluate", lambda lm, table, **kw: calls.append(kw) or {"toxicity": 0.0})
+    a.evaluate(llama, [], toxicity_only=True)
+    a.evaluate(llama, None, positions="all")
+    bound = dict(n_prompts=3, n_wiki=2, max_new_tokens=20, scorer="profanity-check")
+    assert calls == [dict(bound, toxicity_only=True, positions="last"), dict(bound, toxicity_only=False, positions="all")]
+
+
+def test_setup_references_are_the_shared_cached_evaluations(llama, monkeypatch):
+    """references() is the same cache entry as the explicit reference_evaluations call it replaces in 03, 05, 06."""
+    from lib import dpo_neurons
+
+    monkeypatch.setattr(dpo, "base_and_dpo", lambda model_name, device, seed, progress, **s:
+                        (llama, llama, dpo.Probe(torch.ones(llama.info.d_model), 0.0, 0.9, 0.8, 10)))
+    a = dpo.setup("smollm2-135m", "cpu", 0, {"max_new_tokens": 3}, n_prompts=2, n_wiki=2, scorer="profanity-check",
+                  direction=None).load(progress=False)
+    ev_base, ev_dpo = a.references()
+    entries = sorted(paths.CACHE.rglob("evaluation-*"))
+    assert len(entries) == 2  # one per model
+    explicit = dict(n_prompts=2, n_wiki=2, max_new_tokens=3, scorer="profanity-check", progress=False, details=True)
+    ref = dpo_neurons.reference_evaluations("smollm2-135m", llama, llama, a.dpo_key, dpo.toxicity_perplexity_f1, **explicit)
+    assert sorted(paths.CACHE.rglob("evaluation-*")) == entries  # the explicit call of 03, 05 and 06 hits the same entries
+    assert ref["base"]["continuations"] == ev_base["continuations"] and len(ev_dpo["toxicities"]) == 2

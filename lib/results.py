@@ -117,16 +117,30 @@ def _cell(s: Any) -> str:
     return "" if s is None else str(s).replace("|", "\\|").replace("\n", " ")
 
 
+def detectable(row: dict) -> str:
+    """A ledger row's smallest detectable effect (80% power) from its interval's width, 2 significant
+    digits; "" for a row without an interval."""
+    from lib.stats import mde_from_width
+
+    plot = row.get("plot") or {}
+    if plot.get("low") is None or plot.get("high") is None:
+        return ""
+    return f"{mde_from_width(float(plot['high']) - float(plot['low'])):.2g}"
+
+
 def _render(model_name: str, rows: list[dict], published: bool) -> str:
     head = ["# Claims ledger: " + model_name, "",
             "Each row was measured by the notebook named; its verdict comes from `lib.verdict.decide` "
             "(criterion stated before the result, preconditions, interval, matched control).", ""]
     if not published:
         head[-1:] = ["", "This is the ledger of one run at non-published parameters; it is not the published one.", ""]
-    cols = ("notebook", "finding", "paper", "estimate [95% CI]", "control", "preconditions", "n", "verdict", "reason")
+    head[-1:] = ["", "*detectable*: the smallest effect the measurement would find with 80% power at the sizes it ran "
+                 "(0.71 x the width of its 95% interval, `lib.stats.mde_from_width`), in the estimate's units.", ""]
+    cols = ("notebook", "finding", "paper", "estimate [95% CI]", "detectable", "control", "preconditions", "n", "verdict",
+            "reason")
     lines = head + ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        cells = [r["notebook"], r["finding"], r["paper"], r["estimate"], r["control"], r["preconditions"],
+        cells = [r["notebook"], r["finding"], r["paper"], r["estimate"], detectable(r), r["control"], r["preconditions"],
                  r["n"], f"**{r['verdict']}**", r["reason"]]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     if not rows:

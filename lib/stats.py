@@ -307,9 +307,15 @@ def mde_paired_binary(n: int, discordant: float | None = None, alpha: float = 0.
 def mde_from_interval(est: Estimate, power: float = 0.8) -> float:
     """Minimum detectable effect implied by an interval: (z_a/2 + z_power) * SE, with the SE read off
     the interval's half-width. 0.71 x the interval's width at 95% and 80% power."""
-    z = _st.norm.ppf(0.5 + est.level / 2)
-    se = est.width / (2 * z)
-    return float((z + _st.norm.ppf(power)) * se)
+    return mde_from_width(est.width, est.level, power)
+
+
+def mde_from_width(width: float, level: float = LEVEL, power: float = 0.8) -> float:
+    """:func:`mde_from_interval` from an interval's width and level alone (e.g. a ledger row's)."""
+    if not 0 < level < 1 or not 0 < power < 1:
+        raise ValueError(f"level and power must lie in (0, 1), got {level!r}, {power!r}")
+    z = _st.norm.ppf(0.5 + level / 2)
+    return float((z + _st.norm.ppf(power)) * width / (2 * z))
 
 
 @dataclass(frozen=True)

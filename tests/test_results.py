@@ -26,9 +26,21 @@ def test_record_and_claims(tmp_project):
     doc = json.loads((tmp_project / "results" / "m--x" / "01_demo.json").read_text())
     assert len(doc["findings"]) == 1 and doc["findings"][0]["ours"] == "0.45"
     text = results.write_claims("m/x").read_text()
-    assert "| 01_demo | a finding | 0.5 | 0.45 [0.35, 0.55] (drop) |" in text and "**holds**" in text
+    detectable = f"{stats.mde_from_width(0.2):.2g}"  # the interval [0.35, 0.55]: 0.71 x its width
+    assert f"| 01_demo | a finding | 0.5 | 0.45 [0.35, 0.55] (drop) | {detectable} |" in text and "**holds**" in text
+    assert detectable == "0.14"
     with pytest.raises(TypeError, match="Verdict"):
         results.record("m", "01", "holds")
+
+
+def test_detectable_effect_from_an_interval_or_none():
+    e = stats.Estimate(0.3, -0.2, 0.6, 30)
+    assert abs(stats.mde_from_width(e.width) - stats.mde_from_interval(e)) < 1e-12
+    assert abs(stats.mde_from_width(1.0) - (1.959964 + 0.841621) / (2 * 1.959964)) < 1e-5  # 0.71 x the width
+    assert results.detectable({"plot": {"low": -0.2, "high": 0.6}}) == f"{stats.mde_from_width(0.8):.2g}"
+    assert results.detectable({"plot": {"low": None, "high": None}}) == results.detectable({}) == ""
+    with pytest.raises(ValueError, match="level and power"):
+        stats.mde_from_width(1.0, level=1.5)
 
 
 def test_a_subset_run_changes_only_its_own_rows(tmp_project):

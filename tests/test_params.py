@@ -276,8 +276,6 @@ def test_a_users_prompt_file_replaces_the_challenge_prompts(stem, tmp_path):
         unless the notebook sets them itself (03, 05, 06: n_prompts)"""
         if stem == "02_dpo_reduces_toxicity":
             return {"overrides": {"n_prompts": n_prompts}}
-        if stem == "05_group_patching_replicates_dpo":  # not yet on lib.dpo.setup
-            return {"n_prompts": n_prompts, "n_stats_prompts": n_stats}
         stats = {"overrides": {"n_stats_prompts": n_stats}}
         return stats if stem == "04_four_neuron_groups" else {"n_prompts": n_prompts, **stats}
 

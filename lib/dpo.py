@@ -869,10 +869,6 @@ class Sizes:
             raise ValueError(f"{', '.join(twice)}: a parameter of this notebook; set it there, not in overrides")
         return cls(**notebook, **overrides)
 
-    def changed(self) -> dict:
-        """The sizes that differ from the defaults."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
-
     def dpo_sizes(self) -> dict:
         return {k: getattr(self, k) for k in self.DPO_KEYS}
 

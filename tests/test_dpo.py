@@ -411,7 +411,8 @@ def test_sizes_check_themselves_and_default_to_the_shared_defaults():
         dpo.Sizes.of({"n_pears": 3})
     with pytest.raises(ValueError, match="n_prompts: a parameter of this notebook"):
         dpo.Sizes.of({"n_prompts": 10}, n_prompts=32)
-    assert dpo.Sizes.of({"n_pairs": 8}, n_prompts=32).changed() == {"n_pairs": 8, "n_prompts": 32}
+    s = dpo.Sizes.of({"n_pairs": 8}, n_prompts=32)
+    assert (s.n_pairs, s.n_prompts, s.n_wiki) == (8, 32, dpo.DEFAULTS["n_wiki"])
 
 
 def test_setup_checks_before_loading_and_reads_a_users_prompts(tmp_path, capsys):

@@ -75,6 +75,17 @@ def test_against_controls_rank_p_and_band():
     assert low.beyond and low.q == pytest.approx(np.quantile(controls, 0.05))
 
 
+def test_gap_against_controls_is_the_raw_comparison_shifted():
+    rng = np.random.default_rng(0)
+    controls = rng.normal(2.0, 0.5, 10)
+    for raw in (1.5, 2.6, 3.9):
+        for greater in (True, False):
+            a, g = stats.against_controls(raw, controls, greater=greater), stats.gap_against_controls(raw, controls, greater=greater)
+            assert (g.beyond, g.pvalue) == (a.beyond, a.pvalue)
+            assert g.effect == pytest.approx(raw - controls.mean()) and g.q == pytest.approx(a.q - controls.mean())
+            assert np.mean(g.controls) == pytest.approx(0.0, abs=1e-12) and g.name.endswith("minus their mean")
+
+
 def test_correct_matches_statsmodels_holm_and_bh():
     from statsmodels.stats.multitest import multipletests
     p = [0.001, 0.01, 0.02, 0.04, 0.3]

@@ -948,14 +948,17 @@ class Setup:
         self._loaded()
         return {"dpo_model": self.dpo_lm.name, "seed": self.seed, **self.dpo_sizes}
 
-    def activations(self, progress: bool | None = None) -> dict:
-        """Both models' mean MLP activations on the statistics prompts (``dpo_neurons.pair_stats``, cached)."""
+    def activations(self, progress: bool | None = None, texts: str = "own") -> dict:
+        """Both models' mean MLP activations on the statistics prompts (``dpo_neurons.pair_stats``, cached):
+        ``texts`` 'own', each model on its own generations (the paper); 'base', both on the base model's
+        (the same-text variant)."""
         from lib import dpo_neurons
 
         self._loaded()
         progress = repro.progress_on() if progress is None else progress
         return dpo_neurons.pair_stats(self.model_name, self.base_lm, self.dpo_lm, self.dpo_key, self.stats_prompts,
-                                      max_new_tokens=self.sizes.max_new_tokens, k=self.sizes.last_k, progress=progress)
+                                      max_new_tokens=self.sizes.max_new_tokens, k=self.sizes.last_k, progress=progress,
+                                      texts=texts)
 
     def references(self) -> tuple[dict, dict]:
         """(base, DPO) evaluations at these sizes with per-prompt details, cached (03, 05 and 06 share them)."""

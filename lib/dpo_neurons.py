@@ -56,17 +56,30 @@ def generation_stats(lm: Loaded, prompts: Sequence[str], max_new_tokens: int = 2
     return stats, gen
 
 
+# Which texts the two models are measured on (:func:`pair_stats`): 'own', the paper's protocol (each model
+# continues the prompts and is read on its own generations); 'base', a variant beyond the paper (both
+# models read the base model's prompts + continuations, so a change of activation is not a change of text).
+TEXTS = ("own", "base")
+
+
 def pair_stats(model_name: str, base: Loaded, tuned: Loaded, tuned_params: dict, prompts: Sequence[str],
                max_new_tokens: int = 20, k: int = 20, batch_size: int = metrics.GENERATE_BATCH_SIZE,
-               max_prompt_tokens: int = 32, progress: bool = True) -> dict:
+               max_prompt_tokens: int = 32, progress: bool = True, texts: str = "own") -> dict:
     """:func:`generation_stats` of a base model and its fine-tuned copy on the same prompts, each
     on its own generations, cached under ``model_name`` + ``tuned_params`` (what identifies the
     fine-tuned model, e.g. the DPO sizes and seed) + the statistics' parameters.
 
     Returns {"base": [n_layers, d_mlp], "tuned": [n_layers, d_mlp], "base_per_prompt" and
     "tuned_per_prompt" ([n_prompts, n_layers, d_mlp], the same means per prompt, for bootstrap
-    intervals over prompts), "base_continuations", "tuned_continuations", "prompts", "count"}
-    (means on the CPU, float32)."""
+    intervals over prompts), "base_continuations", "tuned_continuations", "prompts", "count", "texts"}
+    (means on the CPU, float32).
+
+    ``texts`` (:data:`TEXTS`) 'base': the same-text variant. The tuned model is read on the base model's
+    prompts + continuations at the same last ``k`` positions (one forward pass over them, cached apart);
+    "base" and "base_per_prompt" are the base model's own statistics, and "tuned_continuations" are then
+    the base model's continuations too, the text both models read."""
+    if texts not in TEXTS:
+        raise ValueError(f"texts must be one of {', '.join(TEXTS)}, got {texts!r}")
     prompts = list(prompts)
     if not prompts:
         raise ValueError("pair_stats needs at least one prompt")
@@ -86,7 +99,21 @@ def pair_stats(model_name: str, base: Loaded, tuned: Loaded, tuned_params: dict,
                 "tuned_continuations": gt.continuations, "prompts": gb.prompts,
                 "count": {"base": int(sb.count[0]), "tuned": int(st.count[0])}}
 
-    return cache.get_or_build("neuron-stats", model_name, params, build)
+    own = {**cache.get_or_build("neuron-stats", model_name, params, build), "texts": "own"}
+    if texts == "own":
+        return own
+    read = [p + c for p, c in zip(own["prompts"], own["base_continuations"])]  # the base model's full texts
+
+    def build_same():
+        st = hooks.mlp_activation_stats(tuned, read, positions="last_k", k=k, batch_size=batch_size, max_length=None,
+                                        pooled=True, progress=progress, desc="tuned on the base model's texts")
+        return {"tuned": st.mean, "tuned_per_prompt": st.pooled.float(), "count": int(st.count[0])}
+
+    same = cache.get_or_build("neuron-stats", model_name, {**params, "own_generations": False, "texts": "base"},
+                              build_same)
+    return {**own, "tuned": same["tuned"], "tuned_per_prompt": same["tuned_per_prompt"],
+            "tuned_continuations": own["base_continuations"], "count": {**own["count"], "tuned": same["count"]},
+            "texts": "base"}
 
 
 # ----------------------------------------------------------------------------- projections and groups

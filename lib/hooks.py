@@ -327,6 +327,79 @@ def intervene(lm: Loaded, table, positions: str | Sequence[int] | None = None):
             h.remove()
 
 
+def cache_argument(model) -> str:
+    """The name under which ``model.forward`` takes its KV cache: 'cache' (transformers 5) or 'past_key_values'."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@contextlib.contextmanager
+def copy_activations(source: Loaded, target: Loaded, neurons, positions: str = "last"):
+    """Same-text patching: inside the block every forward pass of ``target`` first runs ``source`` on the
+    same inputs and sets ``neurons`` [(layer, neuron), ...] of ``target`` to the source's activations
+    (the input of the MLP output projection, as :func:`intervene` writes) at ``positions`` of that
+    forward: 'last' (the last position of each forward call, the authors' patch positions) or 'all'.
+
+    Where a mean patch (:func:`intervene`, mode 'set') writes one value for every token, this writes what
+    the source computes on the target's own text, token by token. In KV-cached generation the source keeps
+    a KV cache of its own (started afresh with each generation), so both models advance in lockstep on
+    the target's tokens. The two models must share their architecture's sizes (e.g. a model and its
+    fine-tuned copy). Each forward costs one forward of each model; hooks are removed on exit."""
+    if source is target or source.model is target.model:
+        raise ValueError("copy_activations needs two different models (source and target are the same)")
+    si, ti = source.info, target.info
+    if (si.n_layers, si.d_mlp) != (ti.n_layers, ti.d_mlp):
+        raise ValueError(f"source and target differ in size: {si.n_layers} x {si.d_mlp} against {ti.n_layers} x {ti.d_mlp} "
+                         "(layers x MLP neurons)")
+    if positions not in ("all", "last"):
+        raise ValueError(f"positions must be 'all' or 'last', got {positions!r}")
+    by_layer: dict[int, set[int]] = {}
+    for L, i in neurons:
+        by_layer.setdefault(ti.check_layer(int(L)), set()).add(ti.check_neuron(int(i)))
+    idx = {L: torch.tensor(sorted(v)) for L, v in sorted(by_layer.items())}
+    key = cache_argument(source.model)
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(source.model.forward).parameters else {}
+    seen: dict[int, torch.Tensor] = {}  # the source's activations in this forward, [batch, pos, d_mlp] per layer
+    state = {"cache": None}  # the source's KV cache while the target generates
+
+    def record(L):
+        def hook(module, args):
+            seen[L] = args[0].detach()
+        return hook
+
+    def run_source(module, args, kwargs):
+        past = kwargs.get(cache_argument(target.model))
+        if past is None:  # a plain forward (e.g. perplexity): no cache for the source either
+            state["cache"] = None
+        elif past.get_seq_length() == 0:  # a new generation starts: a fresh cache for the source
+            from transformers import DynamicCache
+            state["cache"] = DynamicCache(config=source.model.config)
+        kw = {k: v for k, v in kwargs.items()
+              if k not in ("cache", "past_key_values", "labels", "use_cache", "logits_to_keep", "return_dict")}
+        with torch.no_grad():
+            source.model(*args, **kw, **{key: state["cache"]}, use_cache=state["cache"] is not None, **keep)
+
+    def write(L):
+        def hook(module, args):
+            x = args[0].clone()  # [batch, pos, d_mlp]
+            sel = slice(None) if positions == "all" else slice(x.shape[1] - 1, x.shape[1])
+            i = idx[L].to(x.device)
+            part = x[:, sel]
+            part[..., i] = seen.pop(L)[:, sel][..., i].to(x.device, x.dtype)
+            x[:, sel] = part
+            return (x,) + tuple(args[1:])
+        return hook
+
+    handles = []
+    try:
+        handles += [source.mlp_out_module(L).register_forward_pre_hook(record(L)) for L in idx]
+        handles.append(target.model.register_forward_pre_hook(run_source, with_kwargs=True))
+        handles += [target.mlp_out_module(L).register_forward_pre_hook(write(L)) for L in idx]
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 # ----------------------------------------------------------------------------- residual stream
 
 # Points of the residual stream besides the block outputs: the embeddings (the input of block 0) and

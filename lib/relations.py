@@ -244,7 +244,7 @@ def answer(lm: Loaded, prompts: Sequence[str], golds: Sequence[str], n_tokens: i
     rank, lp = np.zeros(n, dtype=int), np.zeros(n)
     sig = inspect.signature(model.forward).parameters
     keep = {"logits_to_keep": 1} if "logits_to_keep" in sig else {}
-    cache_arg = "cache" if "cache" in sig else "past_key_values"  # transformers 5 renamed the KV cache argument
+    cache_arg = hooks.cache_argument(model)  # transformers 5 renamed the KV cache argument
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     eos = {tok.eos_token_id} - {None}  # the tokenizer's and the model's end-of-text ids, as generate() stops at
     gc_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)

@@ -476,6 +476,14 @@ def test_setup_load_wires_models_gate_and_sizes(llama, monkeypatch, capsys):
     a.evaluate(llama, None, positions="all")
     bound = dict(n_prompts=3, n_wiki=2, max_new_tokens=20, scorer="profanity-check")
     assert calls == [dict(bound, toxicity_only=True, positions="last"), dict(bound, toxicity_only=False, positions="all")]
+    from lib import dpo_neurons
+
+    stats_calls = []
+    monkeypatch.setattr(dpo_neurons, "pair_stats", lambda *args, **kw: stats_calls.append((args, kw)) or {})
+    a.activations(progress=False)
+    a.activations(progress=False, texts="base")  # the same-text variant (04)
+    assert [kw["texts"] for _, kw in stats_calls] == ["own", "base"]
+    assert all(args[3] == a.dpo_key and args[4] == a.stats_prompts and kw["k"] == a.sizes.last_k for args, kw in stats_calls)
 
 
 def test_setup_references_are_the_shared_cached_evaluations(llama, monkeypatch):

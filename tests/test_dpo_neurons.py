@@ -231,3 +231,30 @@ def test_reference_evaluations_key_a_users_prompts_even_without_declared_inputs(
     a = dn.reference_evaluations("tiny", base, tuned, {"steps": 1}, evaluate, prompts=["one"], scorer="profanity-check")
     b = dn.reference_evaluations("tiny", base, tuned, {"steps": 1}, evaluate, prompts=["two"], scorer="profanity-check")
     assert a["base"] == {"prompts": ["one"]} and b["base"] == {"prompts": ["two"]} and len(calls) == 4
+
+
+def test_same_text_pair_stats(pair, tmp_path, monkeypatch):
+    """texts='base': the tuned model read on the base model's texts, measured the slow way; layer 0, before
+    any changed weight, then has the base model's activations exactly; an unchanged copy gives the base
+    model's means everywhere (a zero change shows none)."""
+    base, tuned = pair
+    monkeypatch.setattr(cache.paths, "CACHE", tmp_path)
+    prompts = ["the cat sat on", "hello there my", "one two"]
+    kw = {"max_new_tokens": 4, "k": 3, "batch_size": 2, "progress": False}
+    own = dn.pair_stats("tiny", base, tuned, {"steps": 1}, prompts, **kw)
+    same = dn.pair_stats("tiny", base, tuned, {"steps": 1}, prompts, texts="base", **kw)
+    assert own["texts"] == "own" and same["texts"] == "base"
+    assert torch.equal(same["base"], own["base"]) and same["tuned_continuations"] == own["base_continuations"]
+    read = [p + c for p, c in zip(own["prompts"], own["base_continuations"])]
+    slow = hooks.mlp_activation_stats(tuned, read, positions="last_k", k=3, batch_size=1, progress=False)
+    torch.testing.assert_close(same["tuned"], slow.mean, atol=1e-5, rtol=1e-4)
+    assert same["tuned_per_prompt"].shape == (len(prompts), *own["base"].shape)
+    torch.testing.assert_close(same["tuned"][0], same["base"][0], atol=1e-5, rtol=1e-4)  # W_out changed, not layer 0's input
+    assert not torch.allclose(same["tuned"][1:], same["base"][1:], atol=1e-4)  # later layers read a changed stream
+    assert len(list(tmp_path.rglob("neuron-stats-*.pt"))) == 2  # the own-text entry and the same-text one
+    twin = copy.copy(base)
+    twin.model = copy.deepcopy(base.model)
+    zero = dn.pair_stats("tiny", base, twin, {"steps": 0}, prompts, texts="base", **kw)
+    torch.testing.assert_close(zero["tuned"], zero["base"], atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="texts must be one of"):
+        dn.pair_stats("tiny", base, tuned, {"steps": 1}, prompts, texts="tuned", **kw)

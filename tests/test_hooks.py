@@ -300,3 +300,77 @@ def test_residual_norm_is_the_median_over_real_tokens_after_the_first(family):
         seen.append(out.hidden_states[L + 1][0, 1:].norm(dim=-1))  # hidden_states[L + 1] = output of block L
     ref = float(torch.cat(seen).median())
     assert hooks.residual_norm(lm, texts, L) == pytest.approx(ref, rel=1e-4)
+
+
+# ----------------------------------------------------------------------------- same-text patching
+
+
+def _planted_source(lm, layer, neurons):
+    """A copy of ``lm`` whose MLP neurons ``neurons`` of ``layer`` (and nothing else) compute other
+    activations: their rows of the up projection are perturbed. Copying exactly those neurons from it
+    must turn ``lm`` into it; copying any others must change nothing."""
+    import copy
+
+    src = copy.deepcopy(lm)
+    up = src.model.base_model.get_submodule(hooks._SITE_MODULES[lm.info.family]["up"].format(L=layer))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        if hasattr(up, "nf"):  # GPT-2's Conv1D: weight [d_model, d_mlp]
+            up.weight[:, neurons] += torch.randn(up.weight.shape[0], len(neurons), generator=g).to(up.weight) * 2
+        else:  # nn.Linear: weight [d_mlp, d_model]
+            up.weight[neurons] += torch.randn(len(neurons), up.weight.shape[1], generator=g).to(up.weight) * 2
+    return src
+
+
+def test_copy_activations_finds_the_planted_neurons_and_only_them(tiny_decoder, texts):
+    from lib import metrics
+
+    layer, planted, others = 1, [3, 7, 11], [4, 8, 12]
+    src = _planted_source(tiny_decoder, layer, planted)
+    enc = _enc(tiny_decoder, texts)
+    own, theirs = _out(tiny_decoder, enc), _out(src, enc)
+    assert not torch.allclose(own, theirs, atol=1e-4)  # the planted change shows in the output
+    with hooks.copy_activations(src, tiny_decoder, [(layer, i) for i in planted], positions="all"):
+        torch.testing.assert_close(_out(tiny_decoder, enc), theirs, atol=1e-5, rtol=1e-4)
+        # generation: the source runs in lockstep with its own KV cache, so the target writes the source's text
+        copied = metrics.generate(tiny_decoder, texts, max_new_tokens=6, batch_size=2, progress=False)
+    ref = metrics.generate(src, texts, max_new_tokens=6, batch_size=2, progress=False)
+    assert copied.new_ids == ref.new_ids
+    with hooks.copy_activations(src, tiny_decoder, [(layer, i) for i in others], positions="all"):
+        torch.testing.assert_close(_out(tiny_decoder, enc), own, atol=1e-5, rtol=1e-4)  # the others are the same
+    torch.testing.assert_close(_out(tiny_decoder, enc), own)  # hooks gone after the block
+
+
+def test_copy_activations_last_writes_each_new_token(tiny_decoder):
+    from lib import metrics
+
+    layer, planted = 0, [1, 2, 5, 9]
+    src = _planted_source(tiny_decoder, layer, planted)
+    # prompts cut to one token: 'last' then writes every position of every forward, as 'all' does
+    one = {"max_new_tokens": 6, "max_prompt_tokens": 1, "progress": False}
+    with hooks.copy_activations(src, tiny_decoder, [(layer, i) for i in planted], positions="last"):
+        copied = metrics.generate(tiny_decoder, ["the", "a b"], **one)
+    assert copied.new_ids == metrics.generate(src, ["the", "a b"], **one).new_ids
+    enc = _enc(tiny_decoder, ["a longer prompt of several tokens"])
+    with hooks.copy_activations(src, tiny_decoder, [(layer, i) for i in planted], positions="last"):
+        last = _out(tiny_decoder, enc)
+    # the obvious way: the source's activations of the planted neurons at the last position, set there by intervene
+    x_src, _ = _full_activations(src, enc, layer)  # [1, pos, d_mlp]
+    with hooks.intervene(tiny_decoder, [(layer, i, "set", float(x_src[0, -1, i])) for i in planted], positions="last"):
+        torch.testing.assert_close(last, _out(tiny_decoder, enc), atol=1e-5, rtol=1e-4)
+    own = _out(tiny_decoder, enc)
+    torch.testing.assert_close(last[:, :-1], own[:, :-1])  # earlier positions are the target's own
+    assert not torch.allclose(last[:, -1], own[:, -1], atol=1e-4)
+
+
+def test_copy_activations_rejects_bad_arguments(tiny_decoder):
+    with pytest.raises(ValueError, match="two different models"):
+        with hooks.copy_activations(tiny_decoder, tiny_decoder, [(0, 1)]):
+            pass
+    src = _planted_source(tiny_decoder, 0, [1])
+    with pytest.raises(ValueError, match="positions"):
+        with hooks.copy_activations(src, tiny_decoder, [(0, 1)], positions="first"):
+            pass
+    with pytest.raises(ValueError, match="out of range"):
+        with hooks.copy_activations(src, tiny_decoder, [(0, tiny_decoder.info.d_mlp)]):
+            pass

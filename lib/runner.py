@@ -62,10 +62,10 @@ NEEDS = {
 # dependencies never cross models (07's default model is smollm2-135m, 10's minilm-l6).
 TEST_AFTER = {"10": ["07"]}
 # Seconds per test job, measured: `lib.runner test` from an empty cache, two jobs at a time at one thread
-# each, on a 2-core machine (2026-12-03: 3,976 s in all; 01-06 again on 2026-12-04, after the direction gate and
-# the three DPO seeds; the README's table). They only start long chains first, and the site shows them as run
-# times; a job missing here counts 100 s.
-TEST_WEIGHTS = {"00": 58, "01": 498, "02": 851, "03": 290, "04": 84, "05": 295, "06": 474, "07": 1057, "08": 123,
+# each, on a 2-core machine (2026-12-03: 3,976 s in all; 01-06 again on 2026-12-05, on an Intel Xeon, after 04's
+# same-text variant and 05's per-group controls and copy variant; the README's table). They only start long
+# chains first, and the site shows them as run times; a job missing here counts 100 s.
+TEST_WEIGHTS = {"00": 58, "01": 524, "02": 978, "03": 288, "04": 145, "05": 690, "06": 438, "07": 1057, "08": 123,
                 "09": 237, "10": 954, "11": 1122, "12": 615, "13": 499, "14": 43, "tests": 233}
 
 

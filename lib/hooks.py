@@ -356,7 +356,7 @@ def copy_activations(source: Loaded, target: Loaded, neurons, positions: str = "
     for L, i in neurons:
         by_layer.setdefault(ti.check_layer(int(L)), set()).add(ti.check_neuron(int(i)))
     idx = {L: torch.tensor(sorted(v)) for L, v in sorted(by_layer.items())}
-    key = cache_argument(source.model)
+    key, target_key = cache_argument(source.model), cache_argument(target.model)
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(source.model.forward).parameters else {}
     seen: dict[int, torch.Tensor] = {}  # the source's activations in this forward, [batch, pos, d_mlp] per layer
     state = {"cache": None}  # the source's KV cache while the target generates
@@ -367,7 +367,7 @@ def copy_activations(source: Loaded, target: Loaded, neurons, positions: str = "
         return hook
 
     def run_source(module, args, kwargs):
-        past = kwargs.get(cache_argument(target.model))
+        past = kwargs.get(target_key)
         if past is None:  # a plain forward (e.g. perplexity): no cache for the source either
             state["cache"] = None
         elif past.get_seq_length() == 0:  # a new generation starts: a fresh cache for the source

@@ -44,8 +44,8 @@ workflow-dry-run: $(STAMP) ## list every notebook x model job of the full grid (
 	$(VENV)/bin/snakemake -n --forceall --config run=all
 
 # `make test` runs pytest on lib/ and nbval on each notebook as separate jobs, WORKERS at a time (default:
-# COMPENDIUM_THREADS, 2 unless set; each job gets COMPENDIUM_THREADS / WORKERS threads), a notebook only
-# after the notebooks whose cached artifacts it reuses (lib/runner.py: NEEDS, TEST_AFTER).
+# COMPENDIUM_THREADS, 2 unless set; each job gets COMPENDIUM_THREADS / WORKERS threads, a job that starts alone
+# all of them), a notebook only after the notebooks whose cached artifacts it reuses (lib/runner.py: NEEDS, TEST_AFTER).
 WORKERS ?=
 test: $(STAMP) $(KERNEL_CFG) ## pytest on lib/ and nbval on every notebook, two jobs at a time (WORKERS=1: one by one)
 	HF_HUB_OFFLINE=1 $(PY) -m lib.runner test $(if $(WORKERS),--workers $(WORKERS))

@@ -290,8 +290,10 @@ def _log_frame(history: list[dict]) -> pd.DataFrame:
 
 
 def _run_dpo(lm: Loaded, pairs: pd.DataFrame, steps: int, lr: float, beta: float, seed: int,
-             batch_size: int, progress: bool, out_dir: Path):
-    """Train a copy of ``lm.model`` with TRL's DPOTrainer; return (trained model, log frame)."""
+             batch_size: int, progress: bool, out_dir: Path, precompute_ref: bool = True):
+    """Train a copy of ``lm.model`` with TRL's DPOTrainer; return (trained model, log frame).
+    ``precompute_ref``: the frozen reference model's log-probabilities of each pair are computed once,
+    before training, rather than at every step (TRL's ``precompute_ref_log_probs``; the same numbers)."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
@@ -307,6 +309,10 @@ def _run_dpo(lm: Loaded, pairs: pd.DataFrame, steps: int, lr: float, beta: float
         disable_tqdm=not (progress and repro.progress_on()),
         gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=on_cpu,
         dataloader_num_workers=0, dataset_num_proc=None, max_length=128, data_seed=seed,
+        # the frozen reference's log-probabilities, once per pair before training instead of at every step (each
+        # pair is seen steps * batch_size / len(pairs) times): the same weights, bit for bit (tests/test_dpo.py;
+        # smollm2-135m, 16 steps), for about 20% less time on a CPU
+        precompute_ref_log_probs=precompute_ref, precompute_ref_batch_size=16,
     )
     trainer = DPOTrainer(model=policy, ref_model=ref, args=cfg, train_dataset=ds, processing_class=lm.tokenizer)
     # with its bar off, transformers prints every step's log dict to stdout (PrinterCallback); the log is

@@ -69,15 +69,17 @@ def bar(iterable=None, *, progress: bool = True, **kwargs):
 @contextlib.contextmanager
 def library_bars(progress: bool = True):
     """Within the block, the bars of Hugging Face datasets and transformers (dataset maps, shard
-    writing) show only when ``progress`` and COMPENDIUM_PROGRESS allow it; their state is restored after."""
+    writing) and TRL's (it reads TQDM_DISABLE, e.g. for the reference log-probabilities of DPO) show
+    only when ``progress`` and COMPENDIUM_PROGRESS allow it; their state is restored after."""
     import datasets
     from transformers.utils import logging as hf_logging
 
     on = progress and progress_on()
-    was = datasets.is_progress_bar_enabled(), hf_logging.is_progress_bar_enabled()
+    was = datasets.is_progress_bar_enabled(), hf_logging.is_progress_bar_enabled(), os.environ.get("TQDM_DISABLE")
     if not on:
         datasets.disable_progress_bars()
         hf_logging.disable_progress_bar()
+        os.environ["TQDM_DISABLE"] = "1"
     try:
         yield
     finally:
@@ -85,3 +87,7 @@ def library_bars(progress: bool = True):
             datasets.enable_progress_bars()
         if was[1]:
             hf_logging.enable_progress_bar()
+        if was[2] is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = was[2]

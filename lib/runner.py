@@ -542,7 +542,9 @@ def run_tests(jobs: list[str], workers: int | None = None, log_dir: Path | None 
               command=test_command) -> dict[str, tuple[int, float]]:
     """Run the test jobs (notebook numbers, 'tests') in ``workers`` processes at once, each with
     COMPENDIUM_THREADS = total // workers (total: COMPENDIUM_THREADS, 2 unless set; workers default to
-    it), a job only after the jobs it waits for (:func:`test_graph`), the longest chain first.
+    it), a job only after the jobs it waits for (:func:`test_graph`), the longest chain first. A job
+    that starts alone, with nothing else running or ready (every job still waiting then waits for it,
+    as 02 does for 01), gets all ``total`` threads, so the cores do not idle along a chain.
     Returns {job: (exit code, seconds)}. Each job's output goes to <log_dir>/<job>.log and is printed
     whole when the job fails. Every notebook's key numbers print the same at 1 and 2 threads (make
     test-stability), so the split changes how long the tests take, not what they check."""
@@ -561,7 +563,7 @@ def run_tests(jobs: list[str], workers: int | None = None, log_dir: Path | None 
     pending, running, done = set(jobs), {}, {}
     t_all = time.perf_counter()
     try:
-        _schedule(pending, running, done, graph, prio, workers, log_dir, env, command, t_all)
+        _schedule(pending, running, done, graph, prio, workers, log_dir, env, command, t_all, total)
     finally:  # an interrupt (or an error here) stops the jobs still running
         for proc, log, _ in running.values():
             proc.terminate()
@@ -574,15 +576,21 @@ def run_tests(jobs: list[str], workers: int | None = None, log_dir: Path | None 
     return done
 
 
-def _schedule(pending, running, done, graph, prio, workers, log_dir, env, command, t_all):
+def _schedule(pending, running, done, graph, prio, workers, log_dir, env, command, t_all, total):
     while pending or running:
         ready = sorted((j for j in pending if all(d in done for d in graph[j])), key=lambda j: (-prio[j], j))
         while ready and len(running) < workers:
             j = ready.pop(0)
             pending.discard(j)
+            # alone: nothing runs and nothing else is ready, so (the graph being acyclic) every job still
+            # pending waits for j, and no job can start beside it: it gets every thread
+            alone = not running and not ready
+            job_env = {**env, "COMPENDIUM_THREADS": str(total)} if alone else env
             log = open(log_dir / f"{j}.log", "w")
-            running[j] = (subprocess.Popen(command(j), cwd=paths.ROOT, env=env, stdout=log,
+            running[j] = (subprocess.Popen(command(j), cwd=paths.ROOT, env=job_env, stdout=log,
                                            stderr=subprocess.STDOUT), log, time.perf_counter())
+            if alone and total != int(env["COMPENDIUM_THREADS"]):
+                print(f"[{time.perf_counter() - t_all:6.0f} s] {j} starts alone: COMPENDIUM_THREADS={total}", flush=True)
         if not running:  # cannot happen with an acyclic graph; guards a bad selection
             raise RuntimeError(f"test jobs {sorted(pending)} wait for jobs that never run")
         time.sleep(0.5)

@@ -146,6 +146,31 @@ def test_dpo_two_steps_change_weights_and_cache_hit_reloads_them(llama, monkeypa
         torch.testing.assert_close(v, new[k])
 
 
+def test_dpo_precomputed_reference_gives_the_same_weights(llama, tmp_path):
+    """The reference log-probabilities computed once before training (the default) train the same model,
+    bit for bit, as a reference model run at every step (TRL's way without precompute_ref_log_probs)."""
+    import pandas as pd
+    from lib import repro
+
+    pairs = pd.DataFrame({"prompt": ["the cat sat", "a river runs", "one two", "green house", "blue sky"],
+                          "chosen": [" on the mat", " to the sea", " three four", " on the hill", " and sun"],
+                          "rejected": [" zebra engine", " thunder marble", " quantum violet", " engine zebra", " mud"]})
+    weights = {}
+    for pre in (True, False):
+        repro.setup(0, grad=True)
+        try:
+            model, log = dpo._run_dpo(llama, pairs, 3, 1e-3, 0.1, 0, 2, False, tmp_path / str(pre), precompute_ref=pre)
+        finally:
+            torch.set_grad_enabled(False)
+        weights[pre] = ({k: v.detach().clone() for k, v in model.state_dict().items()}, log.loss.tolist())
+    assert weights[True][1] == weights[False][1]
+    changed = 0
+    for k, v in weights[True][0].items():
+        assert torch.equal(v, weights[False][0][k]), k
+        changed += int(not torch.equal(v, llama.model.state_dict()[k]))
+    assert changed  # it trained
+
+
 def test_evaluate_in_range_and_unchanged_under_identity_patch(llama):
     res = dpo.toxicity_perplexity_f1(llama, n_prompts=4, n_wiki=3, max_new_tokens=4, progress=False)
     assert 0 <= res["toxicity"] <= 1 and 0 <= res["f1"] <= 1

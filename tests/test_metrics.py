@@ -126,6 +126,25 @@ def test_progress_switch(monkeypatch):
     assert repro.quiet_env()[repro.PROGRESS_ENV] == "0"
 
 
+def test_library_bars_silence_trl_and_restore_the_environment(monkeypatch):
+    """With bars off, library_bars sets TQDM_DISABLE (TRL's precompute bar reads it) and puts back what was there."""
+    import os
+
+    from lib import repro
+
+    monkeypatch.delenv(repro.PROGRESS_ENV, raising=False)
+    for before in (None, ""):
+        if before is None:
+            monkeypatch.delenv("TQDM_DISABLE", raising=False)
+        else:
+            monkeypatch.setenv("TQDM_DISABLE", before)
+        with repro.library_bars(progress=False):
+            assert os.environ["TQDM_DISABLE"] == "1"
+        assert os.environ.get("TQDM_DISABLE") == before
+        with repro.library_bars(progress=True):
+            assert os.environ.get("TQDM_DISABLE") == before
+
+
 def _planted_frames(n: int, seed: int, planted: bool):
     """Davidson- and Jigsaw-shaped frames whose toxic rows use other words than the rest (planted),
     or the same words with labels at random (no effect to find)."""

@@ -512,3 +512,16 @@ def test_run_tests_order_workers_threads_and_failures(tmp_path, monkeypatch, cap
     assert "12 FAILED (exit 3)" in out and "threads 1 0" in out  # the failed job's log is printed
     with pytest.raises(ValueError, match="workers"):
         runner.run_tests(["01"], workers=0)
+
+
+def test_run_tests_gives_a_lone_job_every_thread(tmp_path, monkeypatch):
+    """A job that starts with nothing running or ready beside it (a chain: 02 waits for 01, 03 for 02)
+    gets all COMPENDIUM_THREADS; jobs that start together get COMPENDIUM_THREADS // workers each."""
+    monkeypatch.setenv("COMPENDIUM_THREADS", "2")
+    script = "import os, sys, time; time.sleep(0.2); print('threads', os.environ['COMPENDIUM_THREADS'])"
+    threads = lambda logs, j: (logs / f"{j}.log").read_text().split()[-1]
+    runner.run_tests(["01", "02", "03"], workers=2, log_dir=tmp_path / "chain",
+                     command=lambda j: [sys.executable, "-c", script])
+    assert [threads(tmp_path / "chain", j) for j in ("01", "02", "03")] == ["2", "2", "2"]
+    runner.run_tests(["01", "11"], workers=2, log_dir=tmp_path / "pair", command=lambda j: [sys.executable, "-c", script])
+    assert [threads(tmp_path / "pair", j) for j in ("01", "11")] == ["1", "1"]

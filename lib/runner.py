@@ -48,7 +48,7 @@ NEEDS = {
     "03": ["02"],        # toxic neurons vs the DPO model's change; builds the activation statistics
     "04": ["02", "03"],  # four neuron groups: DPO model + 03's activation statistics
     "05": ["02", "03"],  # group patching replicates DPO: DPO model + the same statistics
-    "06": ["02"],        # activation editing compared with the DPO model
+    "06": ["02", "03"],  # activation editing vs the DPO model: 03's activation statistics and reference evaluations (same sizes)
     # paper B: 07 stands alone; 09 and 10 reuse the models 08 trains
     "09": ["08"],
     "10": ["08"],
@@ -61,11 +61,13 @@ NEEDS = {
 # them by their recipe, not by the notebook's model), which the Snakefile cannot express because its
 # dependencies never cross models (07's default model is smollm2-135m, 10's minilm-l6).
 TEST_AFTER = {"10": ["07"]}
-# Seconds per test job, measured: `lib.runner test` from an empty cache, two jobs at a time at one thread
-# each, on a 2-core machine (2026-12-03: 3,976 s in all; 01-06 again on 2026-12-05, on an Intel Xeon, after 04's
-# same-text variant and 05's per-group controls and copy variant; the README's table). They only start long
-# chains first, and the site shows them as run times; a job missing here counts 100 s.
-TEST_WEIGHTS = {"00": 58, "01": 524, "02": 978, "03": 288, "04": 145, "05": 690, "06": 438, "07": 1057, "08": 123,
+# Seconds per test job at one thread, measured: `lib.runner test` from an empty cache, two jobs at a time at
+# one thread each, on a 2-core machine (2026-12-03: 3,976 s in all; 01-06 again on 2026-12-05 on an Intel Xeon:
+# 01-03 before the runner gave a lone job both threads, 02 also before DPO's precomputed reference, so an upper
+# bound; 04-06 after 06 began to wait for 03). In a full `make test` 01-03 share the machine with 07 and 11, so
+# their one-thread times set the priorities (the README's table gives 01-03 alone at two threads). They only
+# start long chains first, and the site shows them as run times; a job missing here counts 100 s.
+TEST_WEIGHTS = {"00": 58, "01": 524, "02": 978, "03": 288, "04": 136, "05": 641, "06": 344, "07": 1057, "08": 123,
                 "09": 237, "10": 954, "11": 1122, "12": 615, "13": 499, "14": 43, "tests": 233}
 
 

@@ -33,7 +33,7 @@ PLANNED = {
     "13_neuron_versatility": "smollm2-135m", "14_neuron_interference": "smollm2-135m",
 }
 # The artifact chain: notebook -> the notebooks whose outputs (cached artifacts) it needs.
-CHAIN = {"02": {"01"}, "03": {"02"}, "04": {"02", "03"}, "05": {"02", "03"}, "06": {"02"},
+CHAIN = {"02": {"01"}, "03": {"02"}, "04": {"02", "03"}, "05": {"02", "03"}, "06": {"02", "03"},
          "09": {"08"}, "10": {"08"}, "12": {"11"}, "13": {"11"}, "14": {"11"}}
 
 pytestmark = pytest.mark.skipif(SNAKEMAKE is None, reason="snakemake is not installed")

@@ -61,14 +61,11 @@ NEEDS = {
 # them by their recipe, not by the notebook's model), which the Snakefile cannot express because its
 # dependencies never cross models (07's default model is smollm2-135m, 10's minilm-l6).
 TEST_AFTER = {"10": ["07"]}
-# Seconds per test job at one thread, measured: `lib.runner test` from an empty cache, two jobs at a time at
-# one thread each, on a 2-core machine (2026-12-03: 3,976 s in all; 01-06 again on 2026-12-05 on an Intel Xeon:
-# 01-03 before the runner gave a lone job both threads, 02 also before DPO's precomputed reference, so an upper
-# bound; 04-06 after 06 began to wait for 03). In a full `make test` 01-03 share the machine with 07 and 11, so
-# their one-thread times set the priorities (the README's table gives 01-03 alone at two threads). They only
-# start long chains first, and the site shows them as run times; a job missing here counts 100 s.
-TEST_WEIGHTS = {"00": 58, "01": 524, "02": 978, "03": 288, "04": 136, "05": 641, "06": 344, "07": 1057, "08": 123,
-                "09": 237, "10": 954, "11": 1122, "12": 615, "13": 499, "14": 43, "tests": 233}
+# Seconds per test job, measured: `lib.runner test` from an empty cache, two jobs at a time at one thread
+# each, on a 2-core Intel Xeon machine (2026-12-05: 2,352 s in all; the README's table). They only start long
+# chains first, and the site shows them as run times; a job missing here counts 100 s.
+TEST_WEIGHTS = {"00": 21, "01": 551, "02": 787, "03": 268, "04": 112, "05": 634, "06": 342, "07": 366, "08": 121,
+                "09": 89, "10": 441, "11": 342, "12": 223, "13": 233, "14": 21, "tests": 136}
 
 
 def numbered_notebooks() -> list[Path]:

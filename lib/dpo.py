@@ -22,6 +22,7 @@ import hashlib
 import json
 import tempfile
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -289,11 +290,41 @@ def _log_frame(history: list[dict]) -> pd.DataFrame:
                                        "reward_rejected"])
 
 
+# The reference log-probabilities of each pair, per base model: the same for every seed's run on the same pairs
+_REF_LOGPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # base model -> {key: Dataset of the two columns}
+
+
+def _shared_reference_trainer(lm: Loaded, pairs: pd.DataFrame):
+    """TRL's DPOTrainer whose precomputed reference log-probabilities are kept per base model (its weights
+    unchanged) and pairs, so the runs of several seeds on the same pairs compute them once: the same float32
+    numbers, read back (tests/test_dpo.py)."""
+    from datasets import Dataset
+    from trl import DPOTrainer
+
+    memo = _REF_LOGPS.setdefault(lm.model, {})
+    base_key = (_pairs_key(pairs), metrics.weights_version(lm.model))
+    columns = ["ref_chosen_logps", "ref_rejected_logps"]
+
+    class SharedReferenceDPOTrainer(DPOTrainer):
+        def _precompute_ref_logps(self, dataset, name, batch_size):
+            from datasets import concatenate_datasets
+
+            key = (*base_key, name, batch_size, self.args.max_length, len(dataset))
+            if key not in memo:
+                out = super()._precompute_ref_logps(dataset, name, batch_size)
+                ref = out.select_columns(columns)
+                memo[key] = Dataset.from_dict(ref.to_dict(), features=ref.features)  # in memory, float32 kept
+            return concatenate_datasets([dataset, memo[key]], axis=1)
+
+    return SharedReferenceDPOTrainer
+
+
 def _run_dpo(lm: Loaded, pairs: pd.DataFrame, steps: int, lr: float, beta: float, seed: int,
              batch_size: int, progress: bool, out_dir: Path, precompute_ref: bool = True):
     """Train a copy of ``lm.model`` with TRL's DPOTrainer; return (trained model, log frame).
     ``precompute_ref``: the frozen reference model's log-probabilities of each pair are computed once,
-    before training, rather than at every step (TRL's ``precompute_ref_log_probs``; the same numbers)."""
+    before training, rather than at every step (TRL's ``precompute_ref_log_probs``; the same numbers), and
+    kept for the next run on the same base model and pairs (another seed: :func:`_shared_reference_trainer`)."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
@@ -314,7 +345,8 @@ def _run_dpo(lm: Loaded, pairs: pd.DataFrame, steps: int, lr: float, beta: float
         # smollm2-135m, 16 steps), for about 20% less time on a CPU
         precompute_ref_log_probs=precompute_ref, precompute_ref_batch_size=16,
     )
-    trainer = DPOTrainer(model=policy, ref_model=ref, args=cfg, train_dataset=ds, processing_class=lm.tokenizer)
+    trainer_cls = _shared_reference_trainer(lm, pairs) if precompute_ref else DPOTrainer
+    trainer = trainer_cls(model=policy, ref_model=ref, args=cfg, train_dataset=ds, processing_class=lm.tokenizer)
     # with its bar off, transformers prints every step's log dict to stdout (PrinterCallback); the log is
     # kept in trainer.state.log_history and returned, so a notebook's stored output stays clean
     from transformers.trainer_callback import PrinterCallback
@@ -401,7 +433,8 @@ def toxicity_perplexity_f1(lm: Loaded, n_prompts: int = DEFAULTS["n_prompts"], n
                            max_new_tokens: int = DEFAULTS["max_new_tokens"],
                            batch_size: int = metrics.GENERATE_BATCH_SIZE, scorer: str = "auto",
                            progress: bool = True, details: bool = False, toxicity_only: bool = False,
-                           perplexity: bool = True, prompts: Sequence[str] | None = None) -> dict:
+                           perplexity: bool = True, prompts: Sequence[str] | None = None,
+                           prefixes: dict | None = None) -> dict:
     """Toxicity, perplexity and F1 as in Lee et al. (2024), at a chosen size.
 
     toxicity: mean scorer probability of the greedy continuations (continuation only) of the first
@@ -414,15 +447,18 @@ def toxicity_perplexity_f1(lm: Loaded, n_prompts: int = DEFAULTS["n_prompts"], n
     numbers are those of the full evaluation), for controls that compare toxicity alone.
     ``perplexity=False``: skip the perplexity (no 'perplexity' key), for :func:`evaluate`, which scores
     it under another intervention than the generations. ``prompts``: score these prompts instead of the
-    challenge prompts (exactly ``n_prompts`` of them; see :func:`prompt_sets`).
+    challenge prompts (exactly ``n_prompts`` of them; see :func:`prompt_sets`). ``prefixes``
+    {"challenge": ..., "wiki": ...}: ``metrics.prompt_prefix`` of each prompt set, for the generations
+    to start from (:func:`evaluate` passes them; see there).
     """
     for k, v in (("n_prompts", n_prompts), ("n_wiki", n_wiki)):
         if not isinstance(v, int) or v <= 0:
             raise ValueError(f"{k} must be a positive integer, got {v!r}")
     inputs = evaluation_inputs(n_prompts, n_wiki, prompts)
     prompts = inputs["challenge_prompts"]
+    prefixes = prefixes or {}
     gen = metrics.generate(lm, prompts, max_new_tokens, batch_size, max_prompt_tokens=32, progress=progress,
-                           desc="challenge prompts")
+                           desc="challenge prompts", prefix=prefixes.get("challenge"))
     tox, name = metrics.toxicity(gen.continuations, scorer)
     if toxicity_only:
         out = {"toxicity": float(np.mean(tox)), "scorer": name, "n_prompts": len(prompts)}
@@ -433,7 +469,7 @@ def toxicity_perplexity_f1(lm: Loaded, n_prompts: int = DEFAULTS["n_prompts"], n
     golds = [r["gold"] for r in wiki]
     ppl = metrics.perplexity(lm, golds, progress=progress) if perplexity else None
     wgen = metrics.generate(lm, [r["prompt"] for r in wiki], max_new_tokens, batch_size, max_prompt_tokens=32,
-                            progress=progress, desc="wiki prompts")
+                            progress=progress, desc="wiki prompts", prefix=prefixes.get("wiki"))
     f1 = metrics.mean_f1(lm, wgen, golds)
     out = {"toxicity": float(np.mean(tox)), **({"perplexity": float(ppl)} if perplexity else {}), "f1": float(f1),
            "scorer": name, "n_prompts": len(prompts), "n_wiki": len(wiki)}
@@ -541,14 +577,21 @@ def evaluate(lm: Loaded, table=None, *, n_prompts: int, n_wiki: int, max_new_tok
     'perplexity_authors' with the table at position 0 of each window only, as the authors' code
     does; that one barely sees the patch (at most one token in 256 is written), so it is reported,
     never used to decide whether a patched model still works.
+
+    With 'last', the generations start from the KV cache of each prompt without its last token,
+    computed once per model and prompt set (:func:`shared_prefixes`): the table does not write those
+    positions, so every condition shares them. Not while other hooks are active on ``lm`` (e.g.
+    ``hooks.copy_activations``, whose source model needs the whole prompt).
     """
     if positions not in PATCH_POSITIONS:
         raise ValueError(f"positions must be one of {', '.join(PATCH_POSITIONS)}, got {positions!r}")
     table = [] if table is None else table
+    prefixes = (shared_prefixes(lm, n_prompts, n_wiki, prompts, toxicity_only)
+                if positions == "last" and not hooks.hooked(lm) else None)
     with hooks.intervene(lm, table, positions=positions):
         out = toxicity_perplexity_f1(lm, n_prompts=n_prompts, n_wiki=n_wiki, max_new_tokens=max_new_tokens,
                                      scorer=scorer, progress=False, details=True, toxicity_only=toxicity_only,
-                                     perplexity=positions == "all", prompts=prompts)
+                                     perplexity=positions == "all", prompts=prompts, prefixes=prefixes)
     if toxicity_only or positions == "all":
         return out
     golds = [r["gold"] for r in evaluation_inputs(n_prompts, n_wiki)["wiki"]]
@@ -558,6 +601,63 @@ def evaluate(lm: Loaded, table=None, *, n_prompts: int, n_wiki: int, max_new_tok
         ppl0 = metrics.perplexity(lm, golds, progress=False)
     head = {"toxicity": out.pop("toxicity"), "perplexity": float(ppl), "perplexity_authors": float(ppl0)}
     return {**head, **out}
+
+
+# Conditions generated in one batch by :func:`evaluate_each` and the direction gate: each prompt's copies side
+# by side. A CPU decoding step has a fixed cost (reading the weights) besides its cost per sequence, so 4
+# conditions of 32 prompts take about 1.7x the time of one, not 4x (2 threads, smollm2-135m, with the shared
+# prompt prefix; 8 are no faster per condition); the continuations were the same token for token.
+CONDITIONS_PER_BATCH = 4
+_PREFIXES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {prompts: metrics.PromptPrefix}
+
+
+def _prefix(lm: Loaded, prompts: Sequence[str]) -> metrics.PromptPrefix:
+    """``metrics.prompt_prefix`` of these prompts on ``lm`` as it is now, kept while the model lives and its
+    weights are unchanged."""
+    memo = _PREFIXES.setdefault(lm.model, {})
+    key = tuple(prompts)
+    hit = memo.get(key)
+    if hit is None or hit.version != metrics.weights_version(lm.model):
+        hit = memo[key] = metrics.prompt_prefix(lm, prompts, metrics.GENERATE_BATCH_SIZE, max_prompt_tokens=32)
+    return hit
+
+
+def shared_prefixes(lm: Loaded, n_prompts: int, n_wiki: int, prompts: Sequence[str] | None = None,
+                    toxicity_only: bool = False) -> dict:
+    """{"challenge": ..., "wiki": ...}: the prompt prefixes (``metrics.prompt_prefix``) that :func:`evaluate`
+    starts its generations from under 'last' patching, computed once per model and prompt set."""
+    inputs = evaluation_inputs(n_prompts, n_wiki, prompts)
+    out = {"challenge": _prefix(lm, inputs["challenge_prompts"])}
+    if not toxicity_only:
+        out["wiki"] = _prefix(lm, [r["prompt"] for r in inputs["wiki"]])
+    return out
+
+
+def evaluate_each(lm: Loaded, tables: Sequence, *, n_prompts: int, n_wiki: int, max_new_tokens: int,
+                  scorer: str = "auto", positions: str = "last", prompts: Sequence[str] | None = None,
+                  per_batch: int = CONDITIONS_PER_BATCH, progress: bool = False) -> list[dict]:
+    """``evaluate(lm, table, toxicity_only=True)`` for each of ``tables``, ``per_batch`` tables at a time in one
+    generation (``metrics.generate(copies=...)`` with ``hooks.intervene_each``): the same keys (toxicity,
+    scorer, n_prompts, toxicities, continuations), for the many random controls that compare toxicity alone.
+    Under 'last' the generations start from the shared prompt prefix, as :func:`evaluate`'s do.
+    ``progress``: a bar over the batches."""
+    if positions not in PATCH_POSITIONS:
+        raise ValueError(f"positions must be one of {', '.join(PATCH_POSITIONS)}, got {positions!r}")
+    if not isinstance(per_batch, int) or per_batch <= 0:
+        raise ValueError(f"per_batch must be a positive integer, got {per_batch!r}")
+    chosen = evaluation_inputs(n_prompts, n_wiki, prompts)["challenge_prompts"]
+    prefix = _prefix(lm, chosen) if positions == "last" and not hooks.hooked(lm) else None
+    out = []
+    groups = list(hooks.batches(list(tables), per_batch))
+    for group in repro.bar(groups, desc=f"{len(tables)} conditions, {per_batch} per batch", progress=progress):
+        with hooks.intervene_each(lm, group, positions=positions):
+            gens = metrics.generate(lm, chosen, max_new_tokens, metrics.GENERATE_BATCH_SIZE, max_prompt_tokens=32,
+                                    progress=False, prefix=prefix, copies=len(group))
+        for g in gens:
+            tox, name = metrics.toxicity(g.continuations, scorer)
+            out.append({"toxicity": float(np.mean(tox)), "scorer": name, "n_prompts": len(chosen),
+                        "toxicities": [float(t) for t in tox], "continuations": list(g.continuations)})
+    return out
 
 
 # ----------------------------------------------------------------------------- direction gate
@@ -758,25 +858,23 @@ def validate_directions(lm: Loaded, probe: Probe, scorer: str = "auto", seed: in
         gen = torch.Generator().manual_seed(seed)
         randoms = [torch.randn(lm.info.d_model, generator=gen) for _ in range(s["n_random"])]
 
-        def steered(vec):
-            v = sign * vec.float() / vec.float().norm() * norm
-            with hooks.residual_add(lm, v, [layer]):
-                g = metrics.generate(lm, prompts, s["max_new_tokens"], progress=False)
-            return metrics.toxicity(g.continuations, scorer)[0], g.continuations
-
-        plain = metrics.generate(lm, prompts, s["max_new_tokens"], progress=False)
-        t0, name = metrics.toxicity(plain.continuations, scorer)
-        bar = repro.bar(total=len(vectors) + len(randoms), desc="direction gate", progress=progress)
-        cand, examples = {}, {}
-        for k, vec in vectors.items():
-            cand[k], conts = steered(vec)
-            examples[k] = conts[:3]
-            bar.update(1)
-        rand = []
-        for r in randoms:
-            rand.append(float(sign * (steered(r)[0] - t0).mean()))
-            bar.update(1)
-        bar.close()
+        # unsteered, each candidate and each random direction, CONDITIONS_PER_BATCH at a time in one batch, from
+        # the prompts' shared prefix (the vector is added after the last block, so no cached position sees it)
+        steers = [torch.zeros(lm.info.d_model)] + [sign * v.float() / v.float().norm() * norm
+                                                   for v in [*vectors.values(), *randoms]]
+        prefix = metrics.prompt_prefix(lm, prompts)
+        tox, conts = [], []
+        for group in repro.bar(hooks.batches(steers, CONDITIONS_PER_BATCH), desc="direction gate", progress=progress):
+            with hooks.residual_add(lm, torch.stack(group), [layer]):
+                gens = metrics.generate(lm, prompts, s["max_new_tokens"], progress=False, prefix=prefix, copies=len(group))
+            for g in gens:
+                t, name = metrics.toxicity(g.continuations, scorer)
+                tox.append(t)
+                conts.append(g.continuations)
+        t0 = tox[0]
+        cand = dict(zip(vectors, tox[1:1 + len(vectors)]))
+        examples = {k: c[:3] for k, c in zip(vectors, conts[1:1 + len(vectors)])}
+        rand = [float(sign * (t - t0).mean()) for t in tox[1 + len(vectors):]]
         vv = hooks.value_vectors(lm).float()
         rows = []
         for k, vec in vectors.items():
@@ -805,7 +903,7 @@ def validate_directions(lm: Loaded, probe: Probe, scorer: str = "auto", seed: in
         return {"table": table, "best": best, "steer_norm": norm, "baseline": float(t0.mean()),
                 "random": rand, "scorer": name, "examples": examples}
 
-    key = {"settings": s, "seed": seed, "scorer": metrics.resolve_scorer(scorer), "layer": layer, "version": 2,
+    key = {"settings": s, "seed": seed, "scorer": metrics.resolve_scorer(scorer), "layer": layer, "version": 3,
            "vectors": {k: _tensor_key(v) for k, v in vectors.items()}, "prompts": cache.content_hash(prompts)}
     out = cache.get_or_build("direction-gate", lm.name, key, build)
     return DirectionGate(out["table"], vectors, out["best"], layer, out["steer_norm"], out["baseline"],
@@ -985,6 +1083,14 @@ class Setup:
         return evaluate(lm, table, n_prompts=s.n_prompts, n_wiki=s.n_wiki, max_new_tokens=s.max_new_tokens,
                         scorer=self.scorer, toxicity_only=toxicity_only,
                         positions=self.positions if positions is None else positions, **self.prompt_kw)
+
+    def evaluate_each(self, lm: Loaded, tables, *, positions: str | None = None, progress: bool | None = None) -> list[dict]:
+        """:func:`evaluate_each` (toxicity alone, several tables per batch) at these sizes, prompts and scorer
+        (a bar over the batches unless progress bars are off: ``repro.progress_on``)."""
+        s = self.sizes
+        return evaluate_each(lm, tables, n_prompts=s.n_prompts, n_wiki=s.n_wiki, max_new_tokens=s.max_new_tokens,
+                             scorer=self.scorer, positions=self.positions if positions is None else positions,
+                             progress=repro.progress_on() if progress is None else progress, **self.prompt_kw)
 
 
 def setup(model_name: str = "smollm2-135m", device: str = "auto", seed: int = 0, overrides: dict | None = None, *,

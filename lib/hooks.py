@@ -9,7 +9,8 @@ nonlinearity, and for gated MLPs ``act(gate) * up``. That is TransformerLens'
   positions, reduced as the forward streams (never [batch, pos, d_mlp] for all layers at once),
   optionally mean-pooled per sequence.
 * :func:`value_vectors`, :func:`cosine_with`, :func:`logit_lens`: what each neuron writes.
-* :func:`intervene`: set / scale / add / zero neurons during forward passes and generation.
+* :func:`intervene`: set / scale / add / zero neurons during forward passes and generation;
+  :func:`intervene_each`: one table per copy of each prompt, several conditions in one batch.
 * :func:`pooled_residuals`, :func:`residual_means`: mean-pooled residual stream at any layers (for probes).
 * :func:`residual_add`: add a vector to the residual stream after chosen blocks (activation addition).
 * :func:`attention`: capture attention patterns and plug in an attention refinement, through one
@@ -269,15 +270,8 @@ def _as_edits(table) -> list[Edit]:
     return out
 
 
-@contextlib.contextmanager
-def intervene(lm: Loaded, table, positions: str | Sequence[int] | None = None):
-    """Edit neurons while the block is active: forward passes and KV-cached generation alike.
-
-    ``table``: rows of (layer, neuron, mode, value) as tuples, dicts, :class:`Edit` or a DataFrame.
-    Modes: 'set' (activation := value), 'scale' (*= value), 'add' (+= value), 'zero'.
-    ``positions``: None/'all' (every position), 'last' (last position of each forward), or a list
-    of position indices into each forward's sequence. Hooks are removed on exit, even on error.
-    """
+def _grouped_edits(lm: Loaded, table) -> tuple[list[Edit], dict[int, dict[str, tuple[list[int], list[float]]]]]:
+    """The table's edits, checked, and grouped {layer: {mode: (neurons, values)}}."""
     info = lm.info
     edits = _as_edits(table)
     grouped: dict[int, dict[str, tuple[list[int], list[float]]]] = {}
@@ -289,42 +283,121 @@ def intervene(lm: Loaded, table, positions: str | Sequence[int] | None = None):
         idx, vals = grouped.setdefault(L, {}).setdefault(e.mode, ([], []))
         idx.append(e.neuron)
         vals.append(e.value)
+    return edits, grouped
+
+
+def _check_positions(positions):
     if positions not in (None, "all", "last") and not (isinstance(positions, (list, tuple)) and all(isinstance(p, int) for p in positions)):
         raise ValueError(f"positions must be None, 'all', 'last' or a list of ints, got {positions!r}")
 
-    def make_hook(by_mode):
-        prepared = {m: (torch.tensor(i), torch.tensor(v)) for m, (i, v) in by_mode.items()}
 
-        def pre_hook(module, args):
-            x = args[0].clone()  # [batch, pos, d_mlp]
-            if positions in (None, "all"):
-                sel = slice(None)
-            elif positions == "last":
-                sel = slice(x.shape[1] - 1, x.shape[1])
-            else:
-                sel = [p for p in positions if -x.shape[1] <= p < x.shape[1]]
-                if not sel:
-                    return None
-            for mode, (idx, vals) in prepared.items():
-                idx = idx.to(x.device)
-                vals = vals.to(x.device, x.dtype)
-                cur = x[:, sel][..., idx]
-                new = {"set": vals.expand_as(cur), "scale": cur * vals, "add": cur + vals,
-                       "zero": torch.zeros_like(cur)}[mode]
-                part = x[:, sel]
-                part[..., idx] = new
-                x[:, sel] = part
-            return (x,) + tuple(args[1:])
-        return pre_hook
+def _selection(positions, n_pos: int):
+    """The positions of a forward call of ``n_pos`` positions that an intervention writes (None: none of them)."""
+    if positions in (None, "all"):
+        return slice(None)
+    if positions == "last":
+        return slice(n_pos - 1, n_pos)
+    sel = [p for p in positions if -n_pos <= p < n_pos]
+    return sel or None
 
+
+def _prepared(by_mode) -> dict:
+    return {m: (torch.tensor(i), torch.tensor(v)) for m, (i, v) in by_mode.items()}
+
+
+def _edit(x: torch.Tensor, sel, prepared: dict) -> None:
+    """Applies one layer's edits (:func:`_prepared`) to x [batch, pos, d_mlp] at positions ``sel``, in place."""
+    for mode, (idx, vals) in prepared.items():
+        idx = idx.to(x.device)
+        vals = vals.to(x.device, x.dtype)
+        cur = x[:, sel][..., idx]
+        new = {"set": vals.expand_as(cur), "scale": cur * vals, "add": cur + vals, "zero": torch.zeros_like(cur)}[mode]
+        part = x[:, sel]
+        part[..., idx] = new
+        x[:, sel] = part
+
+
+@contextlib.contextmanager
+def _mlp_out_pre_hooks(lm: Loaded, hook_by_layer: dict):
+    """Registers each layer's forward pre-hook on its MLP output projection; all removed on exit, even on error."""
     handles = []
     try:
-        for L, by_mode in sorted(grouped.items()):
-            handles.append(lm.mlp_out_module(L).register_forward_pre_hook(make_hook(by_mode)))
-        yield edits
+        for L, hook in sorted(hook_by_layer.items()):
+            handles.append(lm.mlp_out_module(L).register_forward_pre_hook(hook))
+        yield
     finally:
         for h in handles:
             h.remove()
+
+
+@contextlib.contextmanager
+def intervene(lm: Loaded, table, positions: str | Sequence[int] | None = None):
+    """Edit neurons while the block is active: forward passes and KV-cached generation alike.
+
+    ``table``: rows of (layer, neuron, mode, value) as tuples, dicts, :class:`Edit` or a DataFrame.
+    Modes: 'set' (activation := value), 'scale' (*= value), 'add' (+= value), 'zero'.
+    ``positions``: None/'all' (every position), 'last' (last position of each forward), or a list
+    of position indices into each forward's sequence. Hooks are removed on exit, even on error.
+    """
+    edits, grouped = _grouped_edits(lm, table)
+    _check_positions(positions)
+
+    def make_hook(by_mode):
+        prepared = _prepared(by_mode)
+
+        def pre_hook(module, args):
+            x = args[0].clone()  # [batch, pos, d_mlp]
+            sel = _selection(positions, x.shape[1])
+            if sel is None:
+                return None
+            _edit(x, sel, prepared)
+            return (x,) + tuple(args[1:])
+        return pre_hook
+
+    with _mlp_out_pre_hooks(lm, {L: make_hook(by_mode) for L, by_mode in grouped.items()}):
+        yield edits
+
+
+@contextlib.contextmanager
+def intervene_each(lm: Loaded, tables: Sequence, positions: str | Sequence[int] | None = None):
+    """:func:`intervene` with one table per copy of each prompt: several conditions in one batch.
+
+    The batch must hold k = len(tables) copies of each sequence side by side (row r is copy r % k), as
+    ``metrics.generate(..., copies=k)`` forms it; row r is edited by ``tables[r % k]`` exactly as
+    :func:`intervene` edits it (an empty table leaves its rows as they are). Same modes and positions.
+    """
+    if not tables:
+        raise ValueError("intervene_each needs at least one table")
+    k = len(tables)
+    _check_positions(positions)
+    per_layer: dict[int, list[dict]] = {}
+    for c, table in enumerate(tables):
+        for L, by_mode in _grouped_edits(lm, table)[1].items():
+            per_layer.setdefault(L, [{} for _ in range(k)])[c] = _prepared(by_mode)
+
+    def make_hook(per_copy):
+        def pre_hook(module, args):
+            x = args[0].clone()  # [batch, pos, d_mlp]
+            if x.shape[0] % k:
+                raise ValueError(f"a batch of {x.shape[0]} rows does not hold {k} copies of each sequence "
+                                 "(generate with copies=len(tables))")
+            sel = _selection(positions, x.shape[1])
+            if sel is None:
+                return None
+            xv = x.view(x.shape[0] // k, k, *x.shape[1:])
+            for c, prepared in enumerate(per_copy):
+                if prepared:
+                    _edit(xv[:, c], sel, prepared)  # a view: writes into x
+            return (x,) + tuple(args[1:])
+        return pre_hook
+
+    with _mlp_out_pre_hooks(lm, {L: make_hook(per_copy) for L, per_copy in per_layer.items()}):
+        yield
+
+
+def hooked(lm: Loaded) -> bool:
+    """Whether a forward hook is registered on the model or one of its modules (an intervention is active)."""
+    return any(m._forward_pre_hooks or m._forward_hooks for m in lm.model.modules())
 
 
 def cache_argument(model) -> str:
@@ -373,6 +446,9 @@ def copy_activations(source: Loaded, target: Loaded, neurons, positions: str = "
         elif past.get_seq_length() == 0:  # a new generation starts: a fresh cache for the source
             from transformers import DynamicCache
             state["cache"] = DynamicCache(config=source.model.config)
+        elif state["cache"] is None or state["cache"].get_seq_length() != past.get_seq_length():
+            raise RuntimeError("copy_activations: the target's KV cache is not the one the source followed (a generation "
+                               "started from a prefilled cache, e.g. metrics.generate's prefix): the source has no cache to match")
         kw = {k: v for k, v in kwargs.items()
               if k not in ("cache", "past_key_values", "labels", "use_cache", "logits_to_keep", "return_dict")}
         with torch.no_grad():
@@ -520,15 +596,24 @@ def block_module(lm: Loaded, layer: int):
 def residual_add(lm: Loaded, vector: torch.Tensor, layers: Iterable[int] | None = None):
     """Activation addition: add ``vector`` [d_model] to the residual stream after each chosen block
     (default: all), at every position, in forward passes and KV-cached generation alike.
-    Hooks are removed on exit, even on error."""
+    ``vector`` [k, d_model]: one vector per copy of each sequence, for a batch of k copies side by side
+    (row r gets vector r % k; ``metrics.generate(..., copies=k)``). Hooks are removed on exit, even on error."""
     info = lm.info
-    if vector.shape != (info.d_model,):
-        raise ValueError(f"vector must have shape [{info.d_model}] (d_model), got {list(vector.shape)}")
+    if vector.shape[-1:] != (info.d_model,) or vector.dim() not in (1, 2):
+        raise ValueError(f"vector must have shape [{info.d_model}] (d_model) or [k, {info.d_model}], got {list(vector.shape)}")
     chosen = sorted({info.check_layer(int(L)) for L in layers}) if layers is not None else range(info.n_layers)
+    k = vector.shape[0] if vector.dim() == 2 else 0
 
     def hook(module, args, output):
         h = output[0] if isinstance(output, tuple) else output  # [batch, pos, d_model]
-        h = h + vector.to(h.device, h.dtype)
+        v = vector.to(h.device, h.dtype)
+        if k:  # one vector per copy of each sequence (row r: copy r % k)
+            if h.shape[0] % k:
+                raise ValueError(f"a batch of {h.shape[0]} rows does not hold {k} copies of each sequence "
+                                 "(generate with copies=k)")
+            h = (h.view(h.shape[0] // k, k, *h.shape[1:]) + v[None, :, None, :]).view(h.shape)
+        else:
+            h = h + v
         return (h,) + tuple(output[1:]) if isinstance(output, tuple) else h
 
     handles = []

@@ -5,6 +5,8 @@ notebook can show the computation next to the result.
 """
 from __future__ import annotations
 
+import copy
+import inspect
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -15,7 +17,7 @@ import numpy as np
 import torch
 
 from lib import repro
-from lib.hooks import batches
+from lib.hooks import batches, cache_argument, hooked
 from lib.models import Loaded
 
 SCORERS = ("auto", "profanity-check", "detoxify", "minilm-lr")
@@ -52,18 +54,10 @@ def _check_positive(**kw):
             raise ValueError(f"{k} must be a positive integer, got {v!r}")
 
 
-@torch.inference_mode()
-def generate(lm: Loaded, prompts: Sequence[str], max_new_tokens: int = 20, batch_size: int = GENERATE_BATCH_SIZE,
-             max_prompt_tokens: int | None = 32, progress: bool = True, desc: str = "generating",
-             score_tokens: Sequence[int] | None = None) -> Generations:
-    """Greedy continuations, batched with left padding and the KV cache.
-
-    Prompts are truncated to their first ``max_prompt_tokens`` tokens; batches are formed from
-    prompts of similar length (results come back in the input order). ``score_tokens`` (one token
-    id per prompt) also returns that token's rank and log-probability in the first step's logits,
-    from the same forward pass (e.g. the gold answer's first token).
-    """
-    _check_positive(max_new_tokens=max_new_tokens, batch_size=batch_size)
+def _prompt_batches(lm: Loaded, prompts: Sequence[str], batch_size: int, max_prompt_tokens: int | None):
+    """The token ids of each prompt (truncated) and the batches :func:`generate` forms: prompts of similar
+    length together, each as (prompt indices, left-padded input ids, attention mask)."""
+    _check_positive(batch_size=batch_size)
     if max_prompt_tokens is not None:
         _check_positive(max_prompt_tokens=max_prompt_tokens)
     if not lm.info.is_causal:
@@ -72,39 +66,135 @@ def generate(lm: Loaded, prompts: Sequence[str], max_new_tokens: int = 20, batch
     ids = [tok(p, add_special_tokens=True)["input_ids"][:max_prompt_tokens] for p in prompts]
     if any(len(i) == 0 for i in ids):
         raise ValueError("an empty prompt has no tokens to continue")
-    if score_tokens is not None and len(score_tokens) != len(ids):
-        raise ValueError(f"score_tokens needs one token id per prompt: {len(score_tokens)} for {len(ids)} prompts")
     order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))
-    new: dict[int, list[int]] = {}
-    ranks: dict[int, tuple[int, float]] = {}
     pad = tok.pad_token_id
-    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-    n = (len(order) + batch_size - 1) // batch_size
-    for chunk in repro.bar(batches(order, batch_size), total=n, desc=desc, progress=progress):
+    out = []
+    for chunk in batches(order, batch_size):
         width = max(len(ids[i]) for i in chunk)
         input_ids = torch.tensor([[pad] * (width - len(ids[i])) + ids[i] for i in chunk], device=model.device)
         attn = torch.tensor([[0] * (width - len(ids[i])) + [1] * len(ids[i]) for i in chunk], device=model.device)
-        out = model.generate(input_ids=input_ids, attention_mask=attn, max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=pad, temperature=None, top_p=None, top_k=None,
+        out.append((chunk, input_ids, attn))
+    return ids, out
+
+
+def weights_version(model) -> int:
+    """Sums the in-place version counters of the model's parameters: it changes when any weight is written."""
+    return sum(p._version for p in model.parameters())
+
+
+@dataclass
+class PromptPrefix:
+    """The KV cache of each prompt without its last token, per batch of :func:`generate` (:func:`prompt_prefix`)."""
+    model_id: int
+    version: int
+    prompt_ids: list[list[int]]
+    batch_size: int
+    caches: list  # one DynamicCache (or None for a batch of one-token prompts) per batch
+
+    def check(self, lm: Loaded, ids: list[list[int]], batch_size: int):
+        if id(lm.model) != self.model_id or weights_version(lm.model) != self.version:
+            raise ValueError("this prompt prefix was computed on another model, or before its weights changed")
+        if ids != self.prompt_ids or batch_size != self.batch_size:
+            raise ValueError("this prompt prefix was computed for other prompts or another batch size")
+
+
+@torch.inference_mode()
+def prompt_prefix(lm: Loaded, prompts: Sequence[str], batch_size: int = GENERATE_BATCH_SIZE,
+                  max_prompt_tokens: int | None = 32) -> PromptPrefix:
+    """The KV cache of every prompt but its last token, for :func:`generate` (``prefix=``) to start from.
+
+    Greedy generation from it gives the continuations of a full prompt pass (the same tokens on the
+    compendium's tests and prompts; logits may differ in their last digits). Many generations on the
+    same prompts can share it when an intervention leaves those positions as the model computes them:
+    a patch written at the last position of each forward call only (``hooks.intervene(...,
+    positions='last')``, the authors' protocol), or a vector added after the last block (the direction
+    gate). Computed on the model as it is, so it raises while hooks are registered on the model.
+    """
+    if hooked(lm):
+        raise RuntimeError("prompt_prefix needs the model without hooks: call it outside hooks.intervene and the like")
+    from transformers import DynamicCache
+
+    ids, chunks = _prompt_batches(lm, prompts, batch_size, max_prompt_tokens)
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(lm.model.forward).parameters else {}
+    caches = []
+    for _, input_ids, attn in chunks:
+        if input_ids.shape[1] < 2:
+            caches.append(None)
+            continue
+        head, mask = input_ids[:, :-1], attn[:, :-1]
+        position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate numbers left-padded rows
+        cache = DynamicCache(config=lm.model.config)
+        lm.model(input_ids=head, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                 **{cache_argument(lm.model): cache}, **keep)
+        caches.append(cache)
+    return PromptPrefix(id(lm.model), weights_version(lm.model), ids, batch_size, caches)
+
+
+@torch.inference_mode()
+def generate(lm: Loaded, prompts: Sequence[str], max_new_tokens: int = 20, batch_size: int = GENERATE_BATCH_SIZE,
+             max_prompt_tokens: int | None = 32, progress: bool = True, desc: str = "generating",
+             score_tokens: Sequence[int] | None = None, prefix: PromptPrefix | None = None,
+             copies: int | None = None) -> Generations | list[Generations]:
+    """Greedy continuations, batched with left padding and the KV cache.
+
+    Prompts are truncated to their first ``max_prompt_tokens`` tokens; batches are formed from
+    prompts of similar length (results come back in the input order). ``score_tokens`` (one token
+    id per prompt) also returns that token's rank and log-probability in the first step's logits,
+    from the same forward pass (e.g. the gold answer's first token).
+
+    ``prefix`` (:func:`prompt_prefix` of the same prompts and batch size): start from its KV cache, so
+    only each prompt's last token and the new tokens are computed. ``copies`` = k: generate k copies
+    of each prompt in the same batches and return k :class:`Generations` (a list); a batch then holds
+    each prompt's k copies side by side (row r is copy r % k), which is how ``hooks.intervene_each``
+    and ``hooks.residual_add`` with k vectors give each copy its own condition.
+    """
+    _check_positive(max_new_tokens=max_new_tokens)
+    if copies is not None:
+        _check_positive(copies=copies)
+    k = copies or 1
+    ids, chunks = _prompt_batches(lm, prompts, batch_size, max_prompt_tokens)
+    if prefix is not None:
+        prefix.check(lm, ids, batch_size)
+    if score_tokens is not None and len(score_tokens) != len(ids):
+        raise ValueError(f"score_tokens needs one token id per prompt: {len(score_tokens)} for {len(ids)} prompts")
+    tok, model = lm.tokenizer, lm.model
+    new: list[dict[int, list[int]]] = [{} for _ in range(k)]
+    ranks: list[dict[int, tuple[int, float]]] = [{} for _ in range(k)]
+    pad = tok.pad_token_id
+    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    for j, (chunk, input_ids, attn) in enumerate(repro.bar(chunks, desc=desc, progress=progress)):
+        width = input_ids.shape[1]
+        cache = None
+        if prefix is not None and prefix.caches[j] is not None:
+            cache = copy.deepcopy(prefix.caches[j])  # generate appends to it
+            if k > 1:
+                cache.batch_repeat_interleave(k)
+        out = model.generate(input_ids=input_ids.repeat_interleave(k, 0), attention_mask=attn.repeat_interleave(k, 0),
+                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, temperature=None,
+                             top_p=None, top_k=None, **({cache_argument(model): cache} if cache is not None else {}),
                              **({"output_logits": True, "return_dict_in_generate": True} if score_tokens is not None else {}))
         if score_tokens is not None:
-            first = out.logits[0].float()  # [batch, vocab] raw logits of the first new token
+            first = out.logits[0].float()  # [batch * k, vocab] raw logits of the first new token
             out = out.sequences
-            target = torch.tensor([int(score_tokens[i]) for i in chunk], device=first.device)
+            target = torch.tensor([int(score_tokens[i]) for i in chunk], device=first.device).repeat_interleave(k)
             t_logit = first.gather(1, target[:, None])
             rk = (first > t_logit).sum(1).tolist()
             lp = (t_logit[:, 0] - torch.logsumexp(first, -1)).tolist()
-            ranks.update({i: (r, p) for i, r, p in zip(chunk, rk, lp)})
-        for row, i in zip(out[:, width:].tolist(), chunk):
-            cut = next((j for j, t in enumerate(row) if t in eos), len(row))
-            new[i] = row[:cut]
+            for r, (a, b) in enumerate(zip(rk, lp)):
+                ranks[r % k][chunk[r // k]] = (a, b)
+        for r, row in enumerate(out[:, width:].tolist()):
+            cut = next((q for q, t in enumerate(row) if t in eos), len(row))
+            new[r % k][chunk[r // k]] = row[:cut]
     prompt_texts = [tok.decode(i, skip_special_tokens=True) for i in ids]
-    new_ids = [new[i] for i in range(len(ids))]
-    gens = Generations(prompt_texts, [tok.decode(t, skip_special_tokens=True) for t in new_ids], ids, new_ids)
-    if score_tokens is not None:
-        gens.first_token_rank = [ranks[i][0] for i in range(len(ids))]
-        gens.first_token_logprob = [ranks[i][1] for i in range(len(ids))]
-    return gens
+    result = []
+    for c in range(k):
+        new_ids = [new[c][i] for i in range(len(ids))]
+        gens = Generations(prompt_texts, [tok.decode(t, skip_special_tokens=True) for t in new_ids], ids, new_ids)
+        if score_tokens is not None:
+            gens.first_token_rank = [ranks[c][i][0] for i in range(len(ids))]
+            gens.first_token_logprob = [ranks[c][i][1] for i in range(len(ids))]
+        result.append(gens)
+    return result if copies is not None else result[0]
 
 
 # ----------------------------------------------------------------------------- toxicity

@@ -171,6 +171,47 @@ def test_dpo_precomputed_reference_gives_the_same_weights(llama, tmp_path):
     assert changed  # it trained
 
 
+def test_dpo_runs_share_the_reference_log_probs_and_train_the_same(llama, tmp_path, monkeypatch):
+    """A second seed's run on the same pairs reads the first run's reference log-probabilities instead of
+    computing them, and trains the same weights, bit for bit, as a run that computes them itself."""
+    import pandas as pd
+    from trl import DPOTrainer
+    from lib import repro
+
+    pairs = pd.DataFrame({"prompt": ["the cat sat", "a river runs", "one two", "green house"],
+                          "chosen": [" on the mat", " to the sea", " three four", " on the hill"],
+                          "rejected": [" zebra engine", " thunder marble", " quantum violet", " engine zebra"]})
+    computed = []
+    original = DPOTrainer._precompute_ref_logps
+    monkeypatch.setattr(DPOTrainer, "_precompute_ref_logps",
+                        lambda self, *a, **k: computed.append(1) or original(self, *a, **k))
+
+    def run(seed, name):
+        repro.setup(seed, grad=True)
+        try:
+            model, log = dpo._run_dpo(llama, pairs, 2, 1e-3, 0.1, seed, 2, False, tmp_path / name)
+        finally:
+            torch.set_grad_enabled(False)
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}, log.loss.tolist()
+
+    dpo._REF_LOGPS.pop(llama.model, None)
+    run(0, "a")
+    shared = run(1, "b")
+    assert len(computed) == 1  # the second seed read the first one's
+    dpo._REF_LOGPS.pop(llama.model, None)
+    alone = run(1, "c")
+    assert len(computed) == 2
+    assert shared[1] == alone[1]
+    assert all(torch.equal(v, alone[0][k]) for k, v in shared[0].items())
+    other = pairs.assign(chosen=pairs.chosen + " too")  # other pairs: computed afresh
+    repro.setup(0, grad=True)
+    try:
+        dpo._run_dpo(llama, other, 1, 1e-3, 0.1, 0, 2, False, tmp_path / "e")
+    finally:
+        torch.set_grad_enabled(False)
+    assert len(computed) == 3
+
+
 def test_evaluate_in_range_and_unchanged_under_identity_patch(llama):
     res = dpo.toxicity_perplexity_f1(llama, n_prompts=4, n_wiki=3, max_new_tokens=4, progress=False)
     assert 0 <= res["toxicity"] <= 1 and 0 <= res["f1"] <= 1
@@ -198,6 +239,29 @@ def test_evaluate_toxicity_only_gives_the_full_evaluations_toxicities(llama, mon
     assert short["toxicity"] == full["toxicity"]
     plain = dpo.evaluate(llama, None, toxicity_only=True, **kw)  # None: no intervention
     assert plain["continuations"] != short["continuations"]
+
+
+def test_evaluate_each_gives_each_tables_toxicity_only_evaluation(llama):
+    """The random controls' batched path (several tables per generation, from the shared prompt prefix):
+    the same continuations and toxicities as one evaluate(..., toxicity_only=True) per table, and as the
+    whole prompt pass (an outer hook turns the shared prefix off)."""
+    kw = dict(n_prompts=5, n_wiki=3, max_new_tokens=4)
+    tables = [[(L, i, "set", 5.0) for L in range(2) for i in range(0, 64, 2)], [],
+              [(1, i, "add", -3.0) for i in range(32)], [(0, i, "zero", 0.0) for i in range(0, 64, 3)],
+              [(1, 3, "scale", 2.0)]]
+    each = dpo.evaluate_each(llama, tables, per_batch=2, **kw)
+    one = [dpo.evaluate(llama, t, toxicity_only=True, **kw) for t in tables]
+    assert each == one and len({tuple(e["continuations"]) for e in each}) > 1
+    with hooks.intervene(llama, []), hooks.residual_add(llama, torch.zeros(llama.info.d_model), [0]):  # hooked: no prefix
+        assert hooks.hooked(llama)
+        whole = [dpo.evaluate(llama, t, toxicity_only=True, **kw) for t in tables]
+    assert whole == one
+    assert dpo.evaluate_each(llama, tables[:2], positions="all", **kw) == [
+        dpo.evaluate(llama, t, toxicity_only=True, positions="all", **kw) for t in tables[:2]]
+    with pytest.raises(ValueError, match="per_batch"):
+        dpo.evaluate_each(llama, tables, per_batch=0, **kw)
+    with pytest.raises(ValueError, match="positions"):
+        dpo.evaluate_each(llama, tables, positions="first", **kw)
 
 
 def test_evaluate_positions_and_the_two_perplexities(llama):

@@ -374,3 +374,92 @@ def test_copy_activations_rejects_bad_arguments(tiny_decoder):
     with pytest.raises(ValueError, match="out of range"):
         with hooks.copy_activations(src, tiny_decoder, [(0, tiny_decoder.info.d_mlp)]):
             pass
+
+
+PROMPTS = ["the cat sat on the mat", "a b", "hello there my friend , how are you today ?", "one", "x y z w"]
+
+
+def test_prompt_prefix_gives_the_same_continuations_and_checks_what_it_was_built_for(tiny_decoder):
+    from lib import metrics
+
+    kw = {"max_new_tokens": 6, "progress": False, "batch_size": 2}
+    prefix = metrics.prompt_prefix(tiny_decoder, PROMPTS, batch_size=2)
+    assert metrics.generate(tiny_decoder, PROMPTS, prefix=prefix, **kw).new_ids == metrics.generate(tiny_decoder, PROMPTS, **kw).new_ids
+    with pytest.raises(ValueError, match="other prompts or another batch size"):
+        metrics.generate(tiny_decoder, PROMPTS[:3], prefix=prefix, **kw)
+    with pytest.raises(ValueError, match="other prompts or another batch size"):
+        metrics.generate(tiny_decoder, PROMPTS, prefix=prefix, **{**kw, "batch_size": 3})
+    with pytest.raises(RuntimeError, match="without hooks"), hooks.intervene(tiny_decoder, [(0, 1, "zero")]):
+        metrics.prompt_prefix(tiny_decoder, PROMPTS)
+    other = models.tiny_random(tiny_decoder.info.family)
+    with pytest.raises(ValueError, match="another model"):
+        metrics.generate(other, PROMPTS, prefix=prefix, **kw)
+
+
+def test_a_last_position_patch_from_the_shared_prefix_equals_the_full_prompt_pass(tiny_decoder):
+    """The prefix holds the positions a 'last' patch never writes: starting from it under the patch gives
+    the tokens of the whole prompt pass under the same patch."""
+    from lib import metrics
+
+    kw = {"max_new_tokens": 6, "progress": False}
+    table = [(L, n, "add", 3.0) for L in range(2) for n in range(0, 64, 2)]
+    prefix = metrics.prompt_prefix(tiny_decoder, PROMPTS)
+    with hooks.intervene(tiny_decoder, table, positions="last"):
+        full = metrics.generate(tiny_decoder, PROMPTS, **kw).new_ids
+        shared = metrics.generate(tiny_decoder, PROMPTS, prefix=prefix, **kw).new_ids
+    assert shared == full
+    assert full != metrics.generate(tiny_decoder, PROMPTS, **kw).new_ids  # the patch changes the tokens
+
+
+@pytest.mark.parametrize("positions", ["last", "all"])
+def test_intervene_each_gives_each_copy_its_own_table(tiny_decoder, positions):
+    from lib import metrics
+
+    kw = {"max_new_tokens": 6, "progress": False}
+    tables = [[(L, n, "add", 3.0) for L in range(2) for n in range(0, 64, 2)], [],
+              [(1, n, "set", -2.0) for n in range(0, 64, 3)] + [(0, 5, "scale", 4.0), (0, 7, "zero", 0.0)]]
+    with hooks.intervene_each(tiny_decoder, tables, positions=positions):
+        each = metrics.generate(tiny_decoder, PROMPTS, copies=len(tables), **kw)
+    alone = []
+    for t in tables:
+        with hooks.intervene(tiny_decoder, t, positions=positions):
+            alone.append(metrics.generate(tiny_decoder, PROMPTS, **kw).new_ids)
+    assert [g.new_ids for g in each] == alone
+    assert alone[0] != alone[1] != alone[2]  # the conditions differ, so a mix-up of rows would show
+    assert not hooks.hooked(tiny_decoder)
+    with pytest.raises(ValueError, match="copies"), hooks.intervene_each(tiny_decoder, tables):
+        metrics.generate(tiny_decoder, PROMPTS, copies=2, **kw)
+    with pytest.raises(ValueError, match="at least one table"), hooks.intervene_each(tiny_decoder, []):
+        pass
+
+
+def test_residual_add_with_one_vector_per_copy(tiny_decoder):
+    from lib import metrics
+
+    kw = {"max_new_tokens": 5, "progress": False}
+    g = torch.Generator().manual_seed(0)
+    vecs = torch.randn(3, tiny_decoder.info.d_model, generator=g) * 4
+    vecs[1] = 0
+    layer = tiny_decoder.info.n_layers - 1
+    prefix = metrics.prompt_prefix(tiny_decoder, PROMPTS)  # after the last block: no cached position sees the vector
+    with hooks.residual_add(tiny_decoder, vecs, [layer]):
+        each = metrics.generate(tiny_decoder, PROMPTS, copies=3, prefix=prefix, **kw)
+    alone = []
+    for v in vecs:
+        with hooks.residual_add(tiny_decoder, v, [layer]):
+            alone.append(metrics.generate(tiny_decoder, PROMPTS, **kw).new_ids)
+    assert [x.new_ids for x in each] == alone
+    assert alone[1] == metrics.generate(tiny_decoder, PROMPTS, **kw).new_ids and alone[0] != alone[1]
+    with pytest.raises(ValueError, match="shape"):
+        with hooks.residual_add(tiny_decoder, torch.zeros(2, 3, tiny_decoder.info.d_model)):
+            pass
+
+
+def test_copy_activations_refuses_a_prefilled_cache(tiny_decoder):
+    from lib import metrics
+
+    src = _planted_source(tiny_decoder, 0, [1, 2])
+    prefix = metrics.prompt_prefix(tiny_decoder, PROMPTS)
+    with pytest.raises(RuntimeError, match="prefilled cache"):
+        with hooks.copy_activations(src, tiny_decoder, [(0, 1), (0, 2)]):
+            metrics.generate(tiny_decoder, PROMPTS, max_new_tokens=3, progress=False, prefix=prefix)

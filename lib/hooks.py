@@ -417,6 +417,17 @@ def copy_activations(source: Loaded, target: Loaded, neurons, positions: str = "
     a KV cache of its own (started afresh with each generation), so both models advance in lockstep on
     the target's tokens. The two models must share their architecture's sizes (e.g. a model and its
     fine-tuned copy). Each forward costs one forward of each model; hooks are removed on exit."""
+    with copy_activations_each(source, target, [neurons], positions):
+        yield
+
+
+@contextlib.contextmanager
+def copy_activations_each(source: Loaded, target: Loaded, neuron_sets: Sequence, positions: str = "last"):
+    """:func:`copy_activations` with one neuron set per copy of each sequence: several conditions in one
+    batch. The batch must hold k = len(neuron_sets) copies of each sequence side by side (row r is copy
+    r % k), as ``metrics.generate(..., copies=k)`` forms it; in row r the neurons ``neuron_sets[r % k]``
+    take the source's activations on that row (an empty set leaves the row as it is). The source runs once
+    on the whole batch."""
     if source is target or source.model is target.model:
         raise ValueError("copy_activations needs two different models (source and target are the same)")
     si, ti = source.info, target.info
@@ -425,10 +436,14 @@ def copy_activations(source: Loaded, target: Loaded, neurons, positions: str = "
                          "(layers x MLP neurons)")
     if positions not in ("all", "last"):
         raise ValueError(f"positions must be 'all' or 'last', got {positions!r}")
-    by_layer: dict[int, set[int]] = {}
-    for L, i in neurons:
-        by_layer.setdefault(ti.check_layer(int(L)), set()).add(ti.check_neuron(int(i)))
-    idx = {L: torch.tensor(sorted(v)) for L, v in sorted(by_layer.items())}
+    if not neuron_sets:
+        raise ValueError("copy_activations_each needs at least one neuron set")
+    k = len(neuron_sets)
+    by_layer: dict[int, list[set[int]]] = {}  # layer -> one set of neurons per copy
+    for c, neurons in enumerate(neuron_sets):
+        for L, i in neurons:
+            by_layer.setdefault(ti.check_layer(int(L)), [set() for _ in range(k)])[c].add(ti.check_neuron(int(i)))
+    idx = {L: [torch.tensor(sorted(v), dtype=torch.long) for v in per_copy] for L, per_copy in sorted(by_layer.items())}
     key, target_key = cache_argument(source.model), cache_argument(target.model)
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(source.model.forward).parameters else {}
     seen: dict[int, torch.Tensor] = {}  # the source's activations in this forward, [batch, pos, d_mlp] per layer
@@ -457,11 +472,18 @@ def copy_activations(source: Loaded, target: Loaded, neurons, positions: str = "
     def write(L):
         def hook(module, args):
             x = args[0].clone()  # [batch, pos, d_mlp]
+            if x.shape[0] % k:
+                raise ValueError(f"a batch of {x.shape[0]} rows does not hold {k} copies of each sequence "
+                                 "(generate with copies=len(neuron_sets))")
+            src = seen.pop(L).to(x.device, x.dtype)
             sel = slice(None) if positions == "all" else slice(x.shape[1] - 1, x.shape[1])
-            i = idx[L].to(x.device)
-            part = x[:, sel]
-            part[..., i] = seen.pop(L)[:, sel][..., i].to(x.device, x.dtype)
-            x[:, sel] = part
+            xv, sv = x.view(x.shape[0] // k, k, *x.shape[1:]), src.view(src.shape[0] // k, k, *src.shape[1:])
+            for c, i in enumerate(idx[L]):
+                if len(i):
+                    i = i.to(x.device)
+                    part = xv[:, c, sel]
+                    part[..., i] = sv[:, c, sel][..., i]
+                    xv[:, c, sel] = part  # a view of x
             return (x,) + tuple(args[1:])
         return hook
 

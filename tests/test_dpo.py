@@ -171,6 +171,48 @@ def test_dpo_precomputed_reference_gives_the_same_weights(llama, tmp_path):
     assert changed  # it trained
 
 
+def test_dpo_scores_the_completions_alone_and_trains_the_same(llama, tmp_path, monkeypatch):
+    """By default TRL's fused LM head projects only the completions' positions onto the vocabulary, on a CPU
+    too (lib.dpo._completion_positions_only), and training gives the weights and losses of projecting every
+    position, up to float rounding; the switch is put back afterwards."""
+    import pandas as pd
+    import trl.trainer.utils as trl_utils
+    from lib import repro
+
+    pairs = pd.DataFrame({"prompt": ["the cat sat down on", "a long river runs", "one two", "green house"],
+                          "chosen": [" on the mat", " to the sea", " three four", " on the hill"],
+                          "rejected": [" zebra engine", " thunder marble", " quantum violet", " engine zebra"]})
+    rows = {}
+    original = trl_utils._ChunkedLogProbFunction
+
+    def run(completions_only):
+        class Spy:  # counts the positions each call of the fused head projects
+            @staticmethod
+            def apply(hidden, *args):
+                rows.setdefault(completions_only, []).append(hidden.shape[0])
+                return original.apply(hidden, *args)
+
+        monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Spy)
+        dpo._REF_LOGPS.pop(llama.model, None)
+        repro.setup(0, grad=True)
+        try:
+            model, log = dpo._run_dpo(llama, pairs, 3, 1e-3, 0.1, 0, 2, False, tmp_path / str(completions_only),
+                                      completions_only=completions_only)
+        finally:
+            torch.set_grad_enabled(False)
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}, log.loss.to_numpy()
+
+    use_triton = trl_utils._use_triton
+    w_all, loss_all = run(False)
+    w_comp, loss_comp = run(True)
+    assert trl_utils._use_triton is use_triton  # put back
+    assert len(rows[True]) == len(rows[False]) and all(a < b for a, b in zip(rows[True], rows[False]))
+    np.testing.assert_allclose(loss_comp, loss_all, rtol=1e-5, atol=1e-6)
+    for k, v in w_comp.items():
+        torch.testing.assert_close(v, w_all[k], rtol=1e-5, atol=1e-5)
+    assert any(not torch.equal(v, llama.model.state_dict()[k]) for k, v in w_comp.items())  # it trained
+
+
 def test_dpo_runs_share_the_reference_log_probs_and_train_the_same(llama, tmp_path, monkeypatch):
     """A second seed's run on the same pairs reads the first run's reference log-probabilities instead of
     computing them, and trains the same weights, bit for bit, as a run that computes them itself."""
@@ -262,6 +304,27 @@ def test_evaluate_each_gives_each_tables_toxicity_only_evaluation(llama):
         dpo.evaluate_each(llama, tables, per_batch=0, **kw)
     with pytest.raises(ValueError, match="positions"):
         dpo.evaluate_each(llama, tables, positions="first", **kw)
+
+
+def test_evaluate_each_copies_activations_like_one_copy_at_a_time(llama):
+    """copy_from: each neuron set's activations copied from another model, several sets per generation; the
+    same continuations as one hooks.copy_activations block per set around evaluate(..., toxicity_only=True)."""
+    import copy
+    import dataclasses
+
+    src = dataclasses.replace(llama, model=copy.deepcopy(llama.model))
+    with torch.no_grad():  # the source's first 16 neurons of the last block fire differently
+        src.model.model.layers[1].mlp.up_proj.weight[:16] *= -4
+    kw = dict(n_prompts=5, n_wiki=3, max_new_tokens=4)
+    sets = [[(1, i) for i in range(16)], [], [(0, i) for i in range(0, 64, 2)] + [(1, 5)]]
+    for positions in ("last", "all"):
+        each = dpo.evaluate_each(llama, sets, per_batch=2, positions=positions, copy_from=src, **kw)
+        one = []
+        for cells in sets:
+            with hooks.copy_activations(src, llama, cells, positions):
+                one.append(dpo.evaluate(llama, toxicity_only=True, positions=positions, **kw))
+        assert each == one
+        assert each[0]["continuations"] != each[1]["continuations"]
 
 
 def test_evaluate_positions_and_the_two_perplexities(llama):

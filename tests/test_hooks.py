@@ -376,6 +376,32 @@ def test_copy_activations_rejects_bad_arguments(tiny_decoder):
             pass
 
 
+def test_copy_activations_each_gives_each_copy_its_own_neurons(tiny_decoder):
+    """Several neuron sets in one batch (one per copy of each prompt): the same generations as each set copied
+    alone, for both positions; the batch must hold the copies."""
+    from lib import metrics
+
+    src = _planted_source(tiny_decoder, 1, [3, 7, 11])
+    prompts = ["the cat sat on the mat", "a b", "hello there my friend", "one"]
+    kw = {"max_new_tokens": 6, "progress": False}
+    sets = [[(1, 3), (1, 7), (1, 11)], [], [(0, 2), (1, 7)]]
+    for positions in ("last", "all"):
+        with hooks.copy_activations_each(src, tiny_decoder, sets, positions):
+            each = metrics.generate(tiny_decoder, prompts, copies=len(sets), **kw)
+        alone = []
+        for cells in sets:
+            with hooks.copy_activations(src, tiny_decoder, cells, positions):
+                alone.append(metrics.generate(tiny_decoder, prompts, **kw).new_ids)
+        assert [g.new_ids for g in each] == alone
+        assert alone[0] != alone[1]  # the sets differ in what they write, so a mix-up of rows would show
+    assert alone[1] == metrics.generate(tiny_decoder, prompts, **kw).new_ids  # an empty set: the target's own
+    assert not hooks.hooked(tiny_decoder)
+    with pytest.raises(ValueError, match="copies"), hooks.copy_activations_each(src, tiny_decoder, sets):
+        metrics.generate(tiny_decoder, prompts, copies=2, **kw)
+    with pytest.raises(ValueError, match="at least one"), hooks.copy_activations_each(src, tiny_decoder, []):
+        pass
+
+
 PROMPTS = ["the cat sat on the mat", "a b", "hello there my friend , how are you today ?", "one", "x y z w"]
 
 

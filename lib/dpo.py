@@ -343,15 +343,26 @@ def _completion_positions_only(on: bool = True):
 
 def _run_dpo(lm: Loaded, pairs: pd.DataFrame, steps: int, lr: float, beta: float, seed: int,
              batch_size: int, progress: bool, out_dir: Path, precompute_ref: bool = True,
-             completions_only: bool = True):
-    """Train a copy of ``lm.model`` with TRL's DPOTrainer; return (trained model, log frame).
+             completions_only: bool = True, keep_at: int | None = None):
+    """Train a copy of ``lm.model`` with TRL's DPOTrainer; return (trained model, log frame), and with
+    ``keep_at`` a step number, (trained model, log frame, the weights after that step: a state dict on the CPU).
     ``precompute_ref``: the frozen reference model's log-probabilities of each pair are computed once,
     before training, rather than at every step (TRL's ``precompute_ref_log_probs``; the same numbers), and
     kept for the next run on the same base model and pairs (another seed: :func:`_shared_reference_trainer`).
     ``completions_only``: log-probabilities computed at the completions' positions alone
     (:func:`_completion_positions_only`)."""
     from datasets import Dataset
+    from transformers import TrainerCallback
     from trl import DPOConfig, DPOTrainer
+
+    if keep_at is not None and not 1 <= keep_at <= steps:
+        raise ValueError(f"keep_at must be a step from 1 to {steps}, got {keep_at!r}")
+    kept: dict = {}
+
+    class KeepWeights(TrainerCallback):  # the policy's weights after step keep_at (after its optimizer step)
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step == keep_at:
+                kept.update({k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()})
 
     policy = copy.deepcopy(lm.model)
     ref = copy.deepcopy(lm.model)
@@ -378,11 +389,13 @@ def _run_dpo(lm: Loaded, pairs: pd.DataFrame, steps: int, lr: float, beta: float
     with _completion_positions_only(completions_only):
         trainer = trainer_cls(model=policy, ref_model=ref, args=cfg, train_dataset=ds, processing_class=lm.tokenizer)
         trainer.remove_callback(PrinterCallback)
+        if keep_at is not None:
+            trainer.add_callback(KeepWeights())
         trainer.train()
     log = _log_frame(trainer.state.log_history)
     model = trainer.model
     del trainer, ref
-    return model, log
+    return (model, log) if keep_at is None else (model, log, kept)
 
 
 def train_dpo(lm: Loaded, pairs: pd.DataFrame, steps: int = DEFAULTS["dpo_steps"], lr: float = DEFAULTS["dpo_lr"],
@@ -393,17 +406,11 @@ def train_dpo(lm: Loaded, pairs: pd.DataFrame, steps: int = DEFAULTS["dpo_steps"
 
     Returns the DPO model as a :class:`Loaded` on ``lm``'s device (named ``<base>-dpo-<key>``) and
     the training log (step, loss, reward_margin, ...). Cached as a saved model folder (written
-    atomically) and reloaded with :func:`lib.models.load`.
+    atomically) and reloaded with :func:`lib.models.load`. The folder also keeps the weights after
+    ``steps // 2`` steps (:func:`dpo_halfway` reads them: half a run without a second run).
     """
-    if not isinstance(steps, int) or steps <= 0:
-        raise ValueError(f"steps must be a positive integer, got {steps!r}")
-    if len(pairs) == 0:
-        raise ValueError("no preference pairs to train on")
-    params = {"pairs": _pairs_key(pairs), "steps": steps, "lr": float(lr), "beta": float(beta), "seed": seed,
-              "batch_size": batch_size, "logps": "completions",  # positions scored: lib.dpo._completion_positions_only
-              # registry models by name (their folder differs between machines), others by path or id
-              "base": lm.name if lm.name in models.REGISTRY else str(lm.path or lm.spec.hub_id)}
-    target = cache.path("dpo", lm.name, params)
+    target = _dpo_folder(lm, pairs, steps, lr, beta, seed, batch_size)
+    half = max(1, steps // 2)
 
     if not (target / "config.json").exists():
         def save(_, folder: Path):
@@ -413,22 +420,65 @@ def train_dpo(lm: Loaded, pairs: pd.DataFrame, steps: int = DEFAULTS["dpo_steps"
                 try:
                     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
                         warnings.simplefilter("ignore")
-                        model, log = _run_dpo(lm, pairs, steps, lr, beta, seed, batch_size, progress, Path(tmp))
+                        model, log, kept = _run_dpo(lm, pairs, steps, lr, beta, seed, batch_size, progress, Path(tmp),
+                                                    keep_at=half)
                 finally:
                     torch.set_grad_enabled(False)
                 model.eval()
                 model.save_pretrained(folder)
                 lm.tokenizer.save_pretrained(folder)
+                model.load_state_dict(kept)  # the same model object, now with the weights after step `half`
+                model.save_pretrained(folder / HALFWAY)
+                lm.tokenizer.save_pretrained(folder / HALFWAY)
             log.to_csv(folder / "training_log.csv", index=False)
-            (folder / "SOURCE.txt").write_text(f"DPO (TRL DPOTrainer) of {lm.name}; params {json.dumps(params)}\n")
+            (folder / "SOURCE.txt").write_text(f"DPO (TRL DPOTrainer) of {lm.name}; {HALFWAY}/: the weights after "
+                                               f"step {half}; params {json.dumps(_dpo_params(lm, pairs, steps, lr, beta, seed, batch_size))}\n")
         cache.atomic_save(None, target, save)
+    return _load_dpo(lm, target, progress), pd.read_csv(target / "training_log.csv")
+
+
+HALFWAY = "halfway"  # the subfolder of a DPO run's cache folder with its weights after half the steps
+
+
+def _dpo_params(lm: Loaded, pairs: pd.DataFrame, steps: int, lr: float, beta: float, seed: int, batch_size: int) -> dict:
+    return {"pairs": _pairs_key(pairs), "steps": steps, "lr": float(lr), "beta": float(beta), "seed": seed,
+            "batch_size": batch_size, "logps": "completions",  # positions scored: lib.dpo._completion_positions_only
+            "halfway": max(1, steps // 2),  # the folder keeps the weights after this step (dpo_halfway)
+            # registry models by name (their folder differs between machines), others by path or id
+            "base": lm.name if lm.name in models.REGISTRY else str(lm.path or lm.spec.hub_id)}
+
+
+def _dpo_folder(lm: Loaded, pairs: pd.DataFrame, steps: int, lr: float, beta: float, seed: int, batch_size: int) -> Path:
+    if not isinstance(steps, int) or steps <= 0:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    if len(pairs) == 0:
+        raise ValueError("no preference pairs to train on")
+    return cache.path("dpo", lm.name, _dpo_params(lm, pairs, steps, lr, beta, seed, batch_size))
+
+
+def _load_dpo(lm: Loaded, folder: Path, progress: bool, suffix: str = "") -> Loaded:
     torch.set_grad_enabled(False)
     dev = "cpu" if str(lm.device) == "cpu" else str(lm.device)
     with repro.library_bars(progress):  # transformers' "Loading weights"
-        dpo_lm = models.load(str(target), device=dev, dtype=lm.model.dtype, device_map=lm.device_map)
-    dpo_lm.spec = dataclasses.replace(dpo_lm.spec, name=f"{lm.name}-dpo-{target.name.split('-')[-1]}")
+        dpo_lm = models.load(str(folder), device=dev, dtype=lm.model.dtype, device_map=lm.device_map)
+    key = (folder.parent if suffix else folder).name.split("-")[-1]
+    dpo_lm.spec = dataclasses.replace(dpo_lm.spec, name=f"{lm.name}-dpo-{key}{suffix}")
     dpo_lm.info.name = dpo_lm.spec.name
-    return dpo_lm, pd.read_csv(target / "training_log.csv")
+    return dpo_lm
+
+
+def dpo_halfway(lm: Loaded, pairs: pd.DataFrame, steps: int = DEFAULTS["dpo_steps"], lr: float = DEFAULTS["dpo_lr"],
+                beta: float = DEFAULTS["beta"], seed: int = 0, progress: bool = True,
+                batch_size: int = DEFAULTS["dpo_batch_size"]) -> tuple[Loaded, pd.DataFrame]:
+    """The run of :func:`train_dpo` with these arguments as it stood after ``steps // 2`` of its steps (kept in
+    its cache folder; the run is trained first when it is not cached): the model (named ``...-halfway``) and the
+    first ``steps // 2`` rows of its log. Not the same as a run of ``steps // 2`` steps: the learning rate's
+    warm-up is 10% of the whole run's steps."""
+    train_dpo(lm, pairs, steps, lr, beta, seed, progress, batch_size)  # cached: trains only when missing
+    folder = _dpo_folder(lm, pairs, steps, lr, beta, seed, batch_size)
+    half = max(1, steps // 2)
+    log = pd.read_csv(folder / "training_log.csv")
+    return _load_dpo(lm, folder / HALFWAY, progress, suffix="-halfway"), log[log.step <= half].reset_index(drop=True)
 
 
 def base_and_dpo(model_name: str, device: str = "auto", seed: int = 0, progress: bool = True,
@@ -671,19 +721,21 @@ def evaluate_each(lm: Loaded, tables: Sequence, *, n_prompts: int, n_wiki: int, 
     ``progress``: a bar over the batches.
 
     ``copy_from``: same-text patching instead (``hooks.copy_activations_each``, 'last' or 'all'): each of
-    ``tables`` is then a neuron set [(layer, neuron), ...] whose activations are copied from this model, and
-    the generations start from the whole prompt, which the source model must see too."""
+    ``tables`` is then a neuron set [(layer, neuron), ...] whose activations are copied from this model; under
+    'last' both models start from their own prompt prefix."""
     if positions not in PATCH_POSITIONS:
         raise ValueError(f"positions must be one of {', '.join(PATCH_POSITIONS)}, got {positions!r}")
     if not isinstance(per_batch, int) or per_batch <= 0:
         raise ValueError(f"per_batch must be a positive integer, got {per_batch!r}")
     chosen = evaluation_inputs(n_prompts, n_wiki, prompts)["challenge_prompts"]
-    prefix = _prefix(lm, chosen) if positions == "last" and not hooks.hooked(lm) and copy_from is None else None
+    shared = positions == "last" and not hooks.hooked(lm) and (copy_from is None or not hooks.hooked(copy_from))
+    prefix = _prefix(lm, chosen) if shared else None
+    source_prefix = _prefix(copy_from, chosen) if shared and copy_from is not None else None
     out = []
     groups = list(hooks.batches(list(tables), per_batch))
     for group in repro.bar(groups, desc=f"{len(tables)} conditions, {per_batch} per batch", progress=progress):
         with (hooks.intervene_each(lm, group, positions=positions) if copy_from is None
-              else hooks.copy_activations_each(copy_from, lm, group, positions)):
+              else hooks.copy_activations_each(copy_from, lm, group, positions, source_prefix=source_prefix)):
             gens = metrics.generate(lm, chosen, max_new_tokens, metrics.GENERATE_BATCH_SIZE, max_prompt_tokens=32,
                                     progress=False, prefix=prefix, copies=len(group))
         for g in gens:

@@ -25,6 +25,8 @@ is the output of block L (what :func:`residual_add` edits); the residual stream 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import copy
 import inspect
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
@@ -400,6 +402,12 @@ def hooked(lm: Loaded) -> bool:
     return any(m._forward_pre_hooks or m._forward_hooks for m in lm.model.modules())
 
 
+# Set by ``metrics.generate`` while it generates one batch from a prompt prefix (``metrics.prompt_prefix``):
+# (the prefix, the batch's index, the copies per prompt). copy_activations_each reads it to start the source
+# model from the source's own prefix of the same batch.
+GENERATION_BATCH: contextvars.ContextVar = contextvars.ContextVar("generation_batch", default=None)
+
+
 def cache_argument(model) -> str:
     """The name under which ``model.forward`` takes its KV cache: 'cache' (transformers 5) or 'past_key_values'."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -422,12 +430,18 @@ def copy_activations(source: Loaded, target: Loaded, neurons, positions: str = "
 
 
 @contextlib.contextmanager
-def copy_activations_each(source: Loaded, target: Loaded, neuron_sets: Sequence, positions: str = "last"):
+def copy_activations_each(source: Loaded, target: Loaded, neuron_sets: Sequence, positions: str = "last",
+                          source_prefix=None):
     """:func:`copy_activations` with one neuron set per copy of each sequence: several conditions in one
     batch. The batch must hold k = len(neuron_sets) copies of each sequence side by side (row r is copy
     r % k), as ``metrics.generate(..., copies=k)`` forms it; in row r the neurons ``neuron_sets[r % k]``
     take the source's activations on that row (an empty set leaves the row as it is). The source runs once
-    on the whole batch."""
+    on the whole batch.
+
+    ``source_prefix`` (``metrics.prompt_prefix`` of the source model, the same prompts and batch size): when
+    the target generates from its own prompt prefix (``metrics.generate(..., prefix=...)``; only with
+    'last', which leaves those positions as the target computes them), the source starts each batch from
+    its prefix of that batch instead of reading the whole prompt again."""
     if source is target or source.model is target.model:
         raise ValueError("copy_activations needs two different models (source and target are the same)")
     si, ti = source.info, target.info
@@ -436,6 +450,8 @@ def copy_activations_each(source: Loaded, target: Loaded, neuron_sets: Sequence,
                          "(layers x MLP neurons)")
     if positions not in ("all", "last"):
         raise ValueError(f"positions must be 'all' or 'last', got {positions!r}")
+    if source_prefix is not None and positions != "last":
+        raise ValueError("a source prefix needs positions='last' (with 'all' the prompt's positions are copied too)")
     if not neuron_sets:
         raise ValueError("copy_activations_each needs at least one neuron set")
     k = len(neuron_sets)
@@ -447,7 +463,7 @@ def copy_activations_each(source: Loaded, target: Loaded, neuron_sets: Sequence,
     key, target_key = cache_argument(source.model), cache_argument(target.model)
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(source.model.forward).parameters else {}
     seen: dict[int, torch.Tensor] = {}  # the source's activations in this forward, [batch, pos, d_mlp] per layer
-    state = {"cache": None}  # the source's KV cache while the target generates
+    state = {"cache": None, "batch": None}  # the source's KV cache while the target generates, and its batch
 
     def record(L):
         def hook(module, args):
@@ -456,11 +472,22 @@ def copy_activations_each(source: Loaded, target: Loaded, neuron_sets: Sequence,
 
     def run_source(module, args, kwargs):
         past = kwargs.get(target_key)
+        current = GENERATION_BATCH.get()  # (prefix, batch index, copies) while generating from a prompt prefix
+        batch = None if current is None else (id(current[0]), current[1])
         if past is None:  # a plain forward (e.g. perplexity): no cache for the source either
             state["cache"] = None
         elif past.get_seq_length() == 0:  # a new generation starts: a fresh cache for the source
             from transformers import DynamicCache
-            state["cache"] = DynamicCache(config=source.model.config)
+            state["cache"], state["batch"] = DynamicCache(config=source.model.config), batch
+        elif batch is not None and batch != state["batch"] and source_prefix is not None:
+            # a generation starts from the target's prompt prefix: the source from its own prefix of that batch
+            prefix, j, copies = current
+            source_prefix.check(source, prefix.prompt_ids, prefix.batch_size)
+            state["cache"], state["batch"] = copy.deepcopy(source_prefix.caches[j]), batch
+            if copies > 1:
+                state["cache"].batch_repeat_interleave(copies)
+            if state["cache"].get_seq_length() != past.get_seq_length():
+                raise RuntimeError("copy_activations: the source's prompt prefix does not match the target's")
         elif state["cache"] is None or state["cache"].get_seq_length() != past.get_seq_length():
             raise RuntimeError("copy_activations: the target's KV cache is not the one the source followed (a generation "
                                "started from a prefilled cache, e.g. metrics.generate's prefix): the source has no cache to match")

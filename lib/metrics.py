@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from lib import repro
-from lib.hooks import batches, cache_argument, hooked
+from lib.hooks import GENERATION_BATCH, batches, cache_argument, hooked
 from lib.models import Loaded
 
 SCORERS = ("auto", "profanity-check", "detoxify", "minilm-lr")
@@ -169,10 +169,15 @@ def generate(lm: Loaded, prompts: Sequence[str], max_new_tokens: int = 20, batch
             cache = copy.deepcopy(prefix.caches[j])  # generate appends to it
             if k > 1:
                 cache.batch_repeat_interleave(k)
-        out = model.generate(input_ids=input_ids.repeat_interleave(k, 0), attention_mask=attn.repeat_interleave(k, 0),
-                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, temperature=None,
-                             top_p=None, top_k=None, **({cache_argument(model): cache} if cache is not None else {}),
-                             **({"output_logits": True, "return_dict_in_generate": True} if score_tokens is not None else {}))
+        token = GENERATION_BATCH.set((prefix, j, k)) if cache is not None else None  # hooks.copy_activations_each reads it
+        try:
+            out = model.generate(input_ids=input_ids.repeat_interleave(k, 0), attention_mask=attn.repeat_interleave(k, 0),
+                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, temperature=None,
+                                 top_p=None, top_k=None, **({cache_argument(model): cache} if cache is not None else {}),
+                                 **({"output_logits": True, "return_dict_in_generate": True} if score_tokens is not None else {}))
+        finally:
+            if token is not None:
+                GENERATION_BATCH.reset(token)
         if score_tokens is not None:
             first = out.logits[0].float()  # [batch * k, vocab] raw logits of the first new token
             out = out.sequences

@@ -146,6 +146,34 @@ def test_dpo_two_steps_change_weights_and_cache_hit_reloads_them(llama, monkeypa
         torch.testing.assert_close(v, new[k])
 
 
+def test_dpo_halfway_is_the_run_after_half_its_steps(llama, monkeypatch, tmp_path):
+    """dpo_halfway reads the weights a run kept after steps // 2 of its steps: the weights of a run stopped
+    there (4 steps and 2 steps share their warm-up of one step and their first batches), different from the
+    base and from the end of the run, with the first half of the run's log; it trains nothing when cached."""
+    import pandas as pd
+
+    pairs = pd.DataFrame({"prompt": ["the cat sat", "a river runs", "one two", "green house"] * 2,
+                          "chosen": [" on the mat", " to the sea", " three four", " on the hill"] * 2,
+                          "rejected": [" zebra engine", " thunder marble", " quantum violet", " engine zebra"] * 2})
+    full, log = dpo.train_dpo(llama, pairs, steps=4, lr=1e-3, seed=0, progress=False, batch_size=2)
+    monkeypatch.setattr(dpo, "_run_dpo", lambda *a, **k: pytest.fail("trained again for the halfway weights"))
+    half, log_half = dpo.dpo_halfway(llama, pairs, steps=4, lr=1e-3, seed=0, progress=False, batch_size=2)
+    monkeypatch.undo()
+    assert list(log_half.step) == [1, 2]
+    pd.testing.assert_frame_equal(log_half, log.iloc[:2].reset_index(drop=True))
+    assert half.name.endswith("-halfway") and half.name != full.name
+    short, log_short = dpo.train_dpo(llama, pairs, steps=2, lr=1e-3, seed=0, progress=False, batch_size=2)
+    np.testing.assert_allclose(log_half.loss, log_short.loss, rtol=1e-6)
+    w_half, w_short, w_full = (m.model.state_dict() for m in (half, short, full))
+    base = llama.model.state_dict()
+    for k, v in w_half.items():
+        torch.testing.assert_close(v, w_short[k])
+    assert any(not torch.equal(v, w_full[k]) for k, v in w_half.items())  # not the end of the run
+    assert any(not torch.equal(v, base[k]) for k, v in w_half.items())  # nor the base model
+    with pytest.raises(ValueError, match="keep_at"):
+        dpo._run_dpo(llama, pairs, 2, 1e-3, 0.1, 0, 2, False, tmp_path / "x", keep_at=3)
+
+
 def test_dpo_precomputed_reference_gives_the_same_weights(llama, tmp_path):
     """The reference log-probabilities computed once before training (the default) train the same model,
     bit for bit, as a reference model run at every step (TRL's way without precompute_ref_log_probs)."""
@@ -308,7 +336,9 @@ def test_evaluate_each_gives_each_tables_toxicity_only_evaluation(llama):
 
 def test_evaluate_each_copies_activations_like_one_copy_at_a_time(llama):
     """copy_from: each neuron set's activations copied from another model, several sets per generation; the
-    same continuations as one hooks.copy_activations block per set around evaluate(..., toxicity_only=True)."""
+    same continuations as one hooks.copy_activations block per set around evaluate(..., toxicity_only=True)
+    (which reads whole prompts). Under 'last' both models start from their prompt prefixes: the source then
+    reads one token a forward pass."""
     import copy
     import dataclasses
 
@@ -317,14 +347,25 @@ def test_evaluate_each_copies_activations_like_one_copy_at_a_time(llama):
         src.model.model.layers[1].mlp.up_proj.weight[:16] *= -4
     kw = dict(n_prompts=5, n_wiki=3, max_new_tokens=4)
     sets = [[(1, i) for i in range(16)], [], [(0, i) for i in range(0, 64, 2)] + [(1, 5)]]
+    dpo._prefix(src, dpo.evaluation_inputs(5, 3)["challenge_prompts"])  # the source's prompt prefix (kept per model), before counting
     for positions in ("last", "all"):
-        each = dpo.evaluate_each(llama, sets, per_batch=2, positions=positions, copy_from=src, **kw)
+        widths = []  # tokens per forward pass of the source (counted without a hook: a hooked model gets no prefix)
+        emb = src.model.get_input_embeddings()
+        emb.forward = lambda ids, _f=emb.forward: (widths.append(ids.shape[1]), _f(ids))[1]
+        try:
+            each = dpo.evaluate_each(llama, sets, per_batch=2, positions=positions, copy_from=src, **kw)
+        finally:
+            del emb.forward
+        assert (max(widths) == 1) == (positions == "last")
         one = []
         for cells in sets:
             with hooks.copy_activations(src, llama, cells, positions):
                 one.append(dpo.evaluate(llama, toxicity_only=True, positions=positions, **kw))
         assert each == one
         assert each[0]["continuations"] != each[1]["continuations"]
+    with pytest.raises(ValueError, match="source prefix"):
+        with hooks.copy_activations_each(src, llama, sets, "all", source_prefix=dpo._prefix(src, ["a b c"])):
+            pass
 
 
 def test_evaluate_positions_and_the_two_perplexities(llama):

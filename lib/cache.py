@@ -104,9 +104,12 @@ def atomic_write_text(target: Path, text: str) -> None:
     os.replace(tmp, target)
 
 
-def atomic_save(obj: Any, target: Path, save: Callable[[Any, Path], None] | None = None) -> None:
+def atomic_save(obj: Any, target: Path, save: Callable[[Any, Path], None] | None = None,
+                keep_existing: bool = False) -> None:
     """Write ``obj`` with ``save(obj, tmp_path)`` (default torch.save) and rename it to ``target``.
-    Works for files and for folders (e.g. ``lambda m, p: m.save_pretrained(p)``)."""
+    Works for files and for folders (e.g. ``lambda m, p: m.save_pretrained(p)``). ``keep_existing``:
+    a folder that another process wrote meanwhile (the same artifact, built beside this one) stays,
+    and this copy is dropped, so no reader ever finds the folder half replaced."""
     import torch
 
     target = Path(target)
@@ -115,6 +118,8 @@ def atomic_save(obj: Any, target: Path, save: Callable[[Any, Path], None] | None
     try:
         (save or (lambda o, p: torch.save(o, p)))(obj, tmp)
         if target.is_dir():
+            if keep_existing:
+                return
             shutil.rmtree(target)
         os.replace(tmp, target)
     finally:

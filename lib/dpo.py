@@ -102,6 +102,23 @@ def features(lm: Loaded, texts: Sequence[str], max_length: int = 64, batch_size:
     return hooks.residual_means(lm, texts, PROBE_FEATURE_LAYER, batch_size, max_length, progress)
 
 
+def probe_states(lm: Loaded, texts: Sequence[str], layers: Sequence[int | str], max_length: int = 64,
+                 batch_size: int = 32, progress: bool = True) -> dict[int | str, torch.Tensor]:
+    """{layer: [n, d_model]} :func:`lib.hooks.pooled_residuals` of ``texts`` at ``layers`` (block indices
+    0..n_layers-1 and 'final'), all read from one forward pass that keeps every block's output and
+    'final', cached by the texts' content: the probe reads two layers of it, notebook 01's exercise on
+    other layers the rest, without a second pass."""
+    every = [*range(lm.info.n_layers), PROBE_FEATURE_LAYER]
+    bad = [L for L in layers if L not in every]
+    if bad:
+        raise ValueError(f"layers must be block indices 0..{lm.info.n_layers - 1} or {PROBE_FEATURE_LAYER!r}, got {bad}")
+    texts = list(texts)
+    params = {"texts": cache.content_hash(texts), "max_length": max_length, "batch_size": batch_size}
+    states = cache.get_or_build("pooled-states", lm.name, params, lambda: hooks.pooled_residuals(
+        lm, texts, every, batch_size, max_length, progress, desc="probe states"))
+    return {L: states[L] for L in layers}
+
+
 def probe_classifier():
     """The probe's estimator: scikit-learn's LogisticRegression with its defaults (more iterations,
     so that lbfgs converges). Refit it on permuted labels for a matched control."""
@@ -132,7 +149,7 @@ def fit_probe(lm: Loaded, texts: Sequence[str], labels: Sequence[int], val_fract
         raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
     L_steer = steer_layer(lm, steer_depth) if steer_depth is not None else None
     layers = (PROBE_FEATURE_LAYER,) if L_steer is None else (PROBE_FEATURE_LAYER, L_steer)
-    states = hooks.pooled_residuals(lm, texts, layers, batch_size, max_length, progress, desc="probe states")
+    states = probe_states(lm, texts, layers, max_length, batch_size, progress)
     X = states[PROBE_FEATURE_LAYER].numpy()
     idx_tr, idx_va = train_test_split(np.arange(len(y)), test_size=val_fraction, random_state=seed, stratify=y)
     clf = probe_classifier().fit(X[idx_tr], y[idx_tr])
@@ -145,7 +162,7 @@ def fit_probe(lm: Loaded, texts: Sequence[str], labels: Sequence[int], val_fract
     if test_texts is not None:
         from sklearn.metrics import balanced_accuracy_score
 
-        Xte = features(lm, test_texts, max_length, batch_size, progress).numpy()
+        Xte = probe_states(lm, test_texts, (PROBE_FEATURE_LAYER,), max_length, batch_size, progress)[PROBE_FEATURE_LAYER].numpy()
         yte = np.asarray(test_labels).astype(int)
         pred = clf.predict(Xte)
         test_acc = float(clf.score(Xte, yte))
@@ -433,7 +450,7 @@ def train_dpo(lm: Loaded, pairs: pd.DataFrame, steps: int = DEFAULTS["dpo_steps"
             log.to_csv(folder / "training_log.csv", index=False)
             (folder / "SOURCE.txt").write_text(f"DPO (TRL DPOTrainer) of {lm.name}; {HALFWAY}/: the weights after "
                                                f"step {half}; params {json.dumps(_dpo_params(lm, pairs, steps, lr, beta, seed, batch_size))}\n")
-        cache.atomic_save(None, target, save)
+        cache.atomic_save(None, target, save, keep_existing=True)  # 02 and 03 may train it side by side
     return _load_dpo(lm, target, progress), pd.read_csv(target / "training_log.csv")
 
 

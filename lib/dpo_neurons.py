@@ -187,6 +187,24 @@ def group_shares(delta: torch.Tensor, cos: torch.Tensor, base_means: torch.Tenso
     return pd.DataFrame(rows)
 
 
+def group_share_array(delta: np.ndarray, cos: np.ndarray, base_means: np.ndarray) -> np.ndarray:
+    """The share column of :func:`group_shares` as arrays, for many resamples at once: ``delta`` and
+    ``base_means`` [..., n_neurons] (any leading batch axes), ``cos`` [n_neurons] or the same shape.
+    Returns [..., 4], the shares of the positive Delta in GROUPS order (nan where no Delta is positive)."""
+    d, m = np.asarray(delta), np.asarray(base_means)
+    c = np.broadcast_to(np.asarray(cos), d.shape)
+    if d.shape != m.shape:
+        raise ValueError(f"delta {d.shape} and base_means {m.shape} must have the same shape")
+    dp = np.where(d > 0, d, 0)  # Delta of the neurons with Delta > 0
+    sums = np.stack([(dp * ((cs * c > 0) & (ms * m > 0))).sum(-1) for cs, ms in _GROUP_SIGNS], -1)
+    total = dp.sum(-1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(total > 0, sums / total, np.nan)
+
+
+_GROUP_SIGNS = ((1, 1), (1, -1), (-1, 1), (-1, -1))  # (sign of cos, sign of base mean) of TP, TN, AP, AN
+
+
 def neuron_frame(base, tuned, base_means: torch.Tensor, tuned_means: torch.Tensor,
                  direction: torch.Tensor) -> pd.DataFrame:
     """One row per neuron: layer, neuron, cos (base value vectors), m_base, m_tuned, proj_base,

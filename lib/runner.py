@@ -45,10 +45,12 @@ NUMBERED = re.compile(r"^\d\d_[a-z0-9_]+\.ipynb$")
 NEEDS = {
     # paper A: probe -> preference pairs + DPO model -> neuron statistics -> patching / editing
     "02": ["01"],        # DPO pairs are scored with 01's toxicity probe
-    "03": ["02"],        # toxic neurons vs the DPO model's change; builds the activation statistics
-    "04": ["02", "03"],  # four neuron groups: DPO model + 03's activation statistics
-    "05": ["02", "03"],  # group patching replicates DPO: DPO model + the same statistics
-    "06": ["02", "03"],  # activation editing vs the DPO model: 03's activation statistics and reference evaluations (same sizes)
+    # 03 dissects the first DPO run only (02 trains three): it trains that run itself (lib.dpo.train_dpo,
+    # cached) beside 02, which trains its other seeds first, so neither waits for the other
+    "03": ["01"],        # toxic neurons vs the DPO model's change; builds the activation statistics
+    "04": ["03"],        # four neuron groups: 03's DPO model and activation statistics
+    "05": ["03"],        # group patching replicates DPO: the same model and statistics
+    "06": ["03"],        # activation editing vs the DPO model: 03's activation statistics and reference evaluations (same sizes)
     # paper B: 07 stands alone; 09 and 10 reuse the models 08 trains
     "09": ["08"],
     "10": ["08"],

@@ -87,14 +87,17 @@ def _degenerate(t: np.ndarray, b: np.ndarray, value: float, level: float, method
 
 
 def bootstrap_mean(x: Sequence[float], level: float = LEVEL, n_resamples: int = N_RESAMPLES,
-                   seed: int = 0, statistic: Callable = np.mean) -> Estimate:
-    """BCa bootstrap interval of ``statistic`` (default the mean) of one sample."""
+                   seed: int = 0, statistic: Callable = np.mean, vectorized: bool = False,
+                   batch: int | None = None) -> Estimate:
+    """BCa bootstrap interval of ``statistic`` (default the mean) of one sample. ``vectorized``: the
+    statistic takes a batch of resamples [..., n] (and ``axis=-1``) and returns one value per resample,
+    ``batch`` of them at a time (``scipy.stats.bootstrap``'s arguments: the same interval, faster)."""
     a = _as_float(x)
     value = float(statistic(a))
     if a.size < 2 or np.all(a == a[0]):
         return Estimate(value, value, value, a.size, level, "bootstrap; no spread: zero-width interval")
     res = _st.bootstrap((a,), statistic, confidence_level=level, n_resamples=n_resamples, method="BCa",
-                        random_state=np.random.default_rng(seed), vectorized=False)
+                        random_state=np.random.default_rng(seed), vectorized=vectorized, batch=batch)
     lo, hi = res.confidence_interval
     return Estimate(value, float(lo), float(hi), a.size, level, "BCa bootstrap")
 

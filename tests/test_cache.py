@@ -195,3 +195,21 @@ def test_finetune_key_holds_the_encodings(scratch, monkeypatch):
     sc.finetune("minilm-l6", "baseline", 0, edited, enc, enc, **kw)
     assert seen[0]["data"] != seen[1]["data"] and {k: v for k, v in seen[0].items() if k != "data"} == \
         {k: v for k, v in seen[1].items() if k != "data"}
+
+
+def test_atomic_save_of_a_folder_keeps_one_written_meanwhile(tmp_path):
+    # two processes building the same folder side by side (02 and 03 training one DPO run): with
+    # keep_existing the second leaves the first's folder in place; without it, the folder is replaced
+    def folder_with(text):
+        def save(_, p):
+            p.mkdir()
+            (p / "weights.txt").write_text(text)
+        return save
+
+    target = tmp_path / "run"
+    cache.atomic_save(None, target, folder_with("first"))
+    cache.atomic_save(None, target, folder_with("second"), keep_existing=True)
+    assert (target / "weights.txt").read_text() == "first"
+    cache.atomic_save(None, target, folder_with("third"))
+    assert (target / "weights.txt").read_text() == "third"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no temporary folder left behind

@@ -63,6 +63,28 @@ def test_probe_separates_planted_classes_and_matches_direct_fit(family):
     np.testing.assert_allclose(probe.logits(torch.tensor(X)).numpy(), ref.decision_function(X), atol=1e-2, rtol=1e-2)
 
 
+def test_probe_states_are_pooled_residuals_from_one_cached_pass(llama, monkeypatch):
+    """probe_states gives hooks.pooled_residuals' states at any asked layers, bit for bit, from one forward
+    pass over every layer, cached by the texts: the probe's fit and a second read run no second pass."""
+    texts, labels = _planted(n=12)
+    layers = [0, llama.info.n_layers - 1, "final"]
+    want = hooks.pooled_residuals(llama, texts, layers, batch_size=4, max_length=16, progress=False)
+    got = dpo.probe_states(llama, texts, layers, max_length=16, batch_size=4, progress=False)
+    for L in layers:
+        assert torch.equal(got[L], want[L]), L
+    monkeypatch.setattr(hooks, "pooled_residuals", lambda *a, **k: pytest.fail("a second forward pass"))
+    again = dpo.probe_states(llama, texts, [1, "final"], max_length=16, batch_size=4, progress=False)
+    assert torch.equal(again["final"], want["final"])
+    probe = dpo.fit_probe(llama, texts, labels, 0.25, texts, labels, max_length=16, batch_size=4, progress=False,
+                          steer_depth=0.5)  # its states: the same cached pass
+    assert torch.isfinite(probe.direction).all() and probe.steer_direction is not None
+    with pytest.raises(ValueError, match="block indices"):
+        dpo.probe_states(llama, texts, ["embed"], max_length=16, batch_size=4)
+    monkeypatch.undo()
+    other = dpo.probe_states(llama, texts[:5], ["final"], max_length=16, batch_size=4, progress=False)
+    assert other["final"].shape == (5, llama.info.d_model)  # other texts: another cache entry
+
+
 def test_fit_probe_rejects_bad_labels(llama):
     with pytest.raises(ValueError, match="both classes"):
         dpo.fit_probe(llama, ["a", "b"], [1, 1], progress=False)

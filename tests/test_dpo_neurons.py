@@ -258,3 +258,24 @@ def test_same_text_pair_stats(pair, tmp_path, monkeypatch):
     torch.testing.assert_close(zero["tuned"], zero["base"], atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="texts must be one of"):
         dn.pair_stats("tiny", base, tuned, {"steps": 1}, prompts, texts="tuned", **kw)
+
+
+def test_group_share_array_matches_group_shares_row_by_row():
+    rng = np.random.default_rng(0)
+    cos = torch.from_numpy(rng.normal(size=(3, 40))).float()
+    cos[0, 0] = 0.0  # in no group
+    rows = []
+    for _ in range(5):
+        delta = torch.from_numpy(rng.normal(size=(3, 40))).float()
+        means = torch.from_numpy(rng.normal(size=(3, 40))).float()
+        rows.append((delta, means))
+    d = np.stack([r[0].flatten().numpy() for r in rows])  # [5, 120]: a batch of resamples
+    m = np.stack([r[1].flatten().numpy() for r in rows])
+    got = dn.group_share_array(d, cos.flatten().numpy(), m)
+    assert got.shape == (5, 4)
+    for i, (delta, means) in enumerate(rows):
+        np.testing.assert_allclose(got[i], dn.group_shares(delta, cos, means).share.to_numpy(), rtol=1e-5)
+    assert dn.group_share_array(d[None], cos.flatten().numpy(), m[None]).shape == (1, 5, 4)  # any batch axes
+    assert np.isnan(dn.group_share_array(-np.abs(d[0]), cos.flatten().numpy(), m[0])).all()  # no Delta > 0
+    with pytest.raises(ValueError, match="same shape"):
+        dn.group_share_array(d, cos.flatten().numpy(), m[:, :10])

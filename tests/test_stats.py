@@ -187,3 +187,13 @@ def test_seeds_and_items_bootstrap_widens_with_seed_spread_and_matches_one_seed(
     assert stats.seeds_and_items_bootstrap(np.stack([base, base]), base).width == 0
     with pytest.raises(ValueError, match="n_seeds, n_items"):
         stats.seeds_and_items_bootstrap(base, base)
+
+
+def test_bootstrap_mean_vectorized_gives_the_same_interval():
+    # a statistic written for a batch of resamples [..., n] gives the interval of the same statistic one
+    # resample at a time (notebook 04's resampled group shares use this)
+    x = np.random.default_rng(3).normal(size=25)
+    one = stats.bootstrap_mean(x, statistic=lambda a: float(np.median(a)), seed=1)
+    many = stats.bootstrap_mean(x, statistic=lambda a, axis=-1: np.median(a, axis=axis), seed=1, vectorized=True, batch=64)
+    assert many.value == pytest.approx(one.value) and many.method == one.method == "BCa bootstrap"
+    assert (many.low, many.high) == pytest.approx((one.low, one.high), rel=1e-9)

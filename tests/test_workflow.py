@@ -33,7 +33,7 @@ PLANNED = {
     "13_neuron_versatility": "smollm2-135m", "14_neuron_interference": "smollm2-135m",
 }
 # The artifact chain: notebook -> the notebooks whose outputs (cached artifacts) it needs.
-CHAIN = {"02": {"01"}, "03": {"02"}, "04": {"02", "03"}, "05": {"02", "03"}, "06": {"02", "03"},
+CHAIN = {"02": {"01"}, "03": {"01"}, "04": {"03"}, "05": {"03"}, "06": {"03"},
          "09": {"08"}, "10": {"08"}, "12": {"11"}, "13": {"11"}, "14": {"11"}}
 
 pytestmark = pytest.mark.skipif(SNAKEMAKE is None, reason="snakemake is not installed")
@@ -147,7 +147,7 @@ def test_dry_run_of_the_full_grid_lists_every_job_with_the_artifact_chain(tmp_pa
 
 def test_one_model_and_missing_notebooks_keep_the_order(tmp_path):
     """`make reproduce MODEL=gpt2-medium`: paper A only; a notebook not written yet (03) is skipped and
-    its dependants wait for what it would have needed (02)."""
+    its dependants wait for what it would have needed (01)."""
     nbdir = tmp_path / "notebooks"
     stems = [s for s in PLANNED if s[:2] in ("00", "01", "02", "04", "05", "07", "11", "12")]
     for s in stems:
@@ -160,8 +160,8 @@ def test_one_model_and_missing_notebooks_keep_the_order(tmp_path):
                            | {("llama-2-7b", s) for s in stems if s[:2] in ("11", "12")})
     for model in ("gpt2-medium", "smollm2-135m"):
         needs04 = [f for f in nbjobs[(model, "04_four_neuron_groups")]["input"] if f.endswith(".ipynb")]
-        assert f"results/{model}/02_dpo_reduces_toxicity.ipynb" in needs04
-        assert not any("03_" in f for f in needs04)
+        assert f"results/{model}/01_toxicity_probe.ipynb" in needs04
+        assert not any("03_" in f or "02_" in f for f in needs04)
 
 
 def test_dry_run_on_the_repository_notebooks():
@@ -481,10 +481,10 @@ def test_executions_turn_bars_off():
 
 def test_test_graph_follows_needs_and_skips_missing_notebooks():
     g = runner.test_graph(["tests", "01", "02", "03", "05", "07", "08", "10"])
-    assert g["05"] == ["02", "03"] and g["10"] == ["07", "08"] and g["tests"] == [] and g["01"] == []
+    assert g["05"] == ["03"] and g["03"] == ["01"] and g["10"] == ["07", "08"] and g["tests"] == [] and g["01"] == []
     assert runner.test_graph(["01", "04"])["04"] == ["01"]  # 02 and 03 absent: 04 waits for what they need
     prio = runner.test_order(runner.test_graph(["01", "02", "03", "11"]), {"01": 1, "02": 5, "03": 1, "11": 6})
-    assert prio == {"01": 7.0, "02": 6.0, "03": 1.0, "11": 6.0}  # weight + heaviest chain that waits for it
+    assert prio == {"01": 6.0, "02": 5.0, "03": 1.0, "11": 6.0}  # weight + heaviest chain that waits for it
     with pytest.raises(ValueError, match="cycle"):
         runner.test_order({"a": ["b"], "b": ["a"]}, {})
 
@@ -503,7 +503,7 @@ def test_run_tests_order_workers_threads_and_failures(tmp_path, monkeypatch, cap
                             command=lambda j: [sys.executable, "-c", script, j, str(stamp)])
     assert {j: rc for j, (rc, _) in done.items()} == {"tests": 0, "01": 0, "02": 0, "03": 0, "11": 0, "12": 3}
     t = {p.name: float(p.read_text()) for p in stamp.iterdir()}
-    for job, waits in (("02", "01"), ("03", "02"), ("12", "11")):
+    for job, waits in (("02", "01"), ("03", "01"), ("12", "11")):
         assert t[f"{job}.start"] >= t[f"{waits}.end"]
     spans = [(t[f"{j}.start"], t[f"{j}.end"]) for j in done]
     assert max(sum(a <= s < b for a, b in spans) for s, _ in spans) <= 2  # at most two at once
@@ -515,13 +515,14 @@ def test_run_tests_order_workers_threads_and_failures(tmp_path, monkeypatch, cap
 
 
 def test_run_tests_gives_a_lone_job_every_thread(tmp_path, monkeypatch):
-    """A job that starts with nothing running or ready beside it (a chain: 02 waits for 01, 03 for 02)
-    gets all COMPENDIUM_THREADS; jobs that start together get COMPENDIUM_THREADS // workers each."""
+    """A job that starts with nothing running or ready beside it (a chain: 12 waits for 11; 01, which 02
+    and 03 wait for) gets all COMPENDIUM_THREADS; jobs that start together get COMPENDIUM_THREADS // workers each."""
     monkeypatch.setenv("COMPENDIUM_THREADS", "2")
     script = "import os, sys, time; time.sleep(0.2); print('threads', os.environ['COMPENDIUM_THREADS'])"
     threads = lambda logs, j: (logs / f"{j}.log").read_text().split()[-1]
-    runner.run_tests(["01", "02", "03"], workers=2, log_dir=tmp_path / "chain",
-                     command=lambda j: [sys.executable, "-c", script])
-    assert [threads(tmp_path / "chain", j) for j in ("01", "02", "03")] == ["2", "2", "2"]
+    runner.run_tests(["11", "12"], workers=2, log_dir=tmp_path / "chain", command=lambda j: [sys.executable, "-c", script])
+    assert [threads(tmp_path / "chain", j) for j in ("11", "12")] == ["2", "2"]
+    runner.run_tests(["01", "02", "03"], workers=2, log_dir=tmp_path / "fan", command=lambda j: [sys.executable, "-c", script])
+    assert [threads(tmp_path / "fan", j) for j in ("01", "02", "03")] == ["2", "1", "1"]  # 02 beside 03
     runner.run_tests(["01", "11"], workers=2, log_dir=tmp_path / "pair", command=lambda j: [sys.executable, "-c", script])
     assert [threads(tmp_path / "pair", j) for j in ("01", "11")] == ["1", "1"]

@@ -463,7 +463,7 @@ def copy_activations_each(source: Loaded, target: Loaded, neuron_sets: Sequence,
     key, target_key = cache_argument(source.model), cache_argument(target.model)
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(source.model.forward).parameters else {}
     seen: dict[int, torch.Tensor] = {}  # the source's activations in this forward, [batch, pos, d_mlp] per layer
-    state = {"cache": None, "batch": None}  # the source's KV cache while the target generates, and its batch
+    state = {"cache": None}  # the source's KV cache while the target generates
 
     def record(L):
         def hook(module, args):
@@ -473,17 +473,18 @@ def copy_activations_each(source: Loaded, target: Loaded, neuron_sets: Sequence,
     def run_source(module, args, kwargs):
         past = kwargs.get(target_key)
         current = GENERATION_BATCH.get()  # (prefix, batch index, copies) while generating from a prompt prefix
-        batch = None if current is None else (id(current[0]), current[1])
         if past is None:  # a plain forward (e.g. perplexity): no cache for the source either
             state["cache"] = None
         elif past.get_seq_length() == 0:  # a new generation starts: a fresh cache for the source
             from transformers import DynamicCache
-            state["cache"], state["batch"] = DynamicCache(config=source.model.config), batch
-        elif batch is not None and batch != state["batch"] and source_prefix is not None:
-            # a generation starts from the target's prompt prefix: the source from its own prefix of that batch
+            state["cache"] = DynamicCache(config=source.model.config)
+        elif (current is not None and source_prefix is not None
+              and past.get_seq_length() == current[0].caches[current[1]].get_seq_length()):
+            # the first step of a generation from the target's prompt prefix (its cache holds the prefix alone):
+            # the source starts from its own prefix of that batch
             prefix, j, copies = current
             source_prefix.check(source, prefix.prompt_ids, prefix.batch_size)
-            state["cache"], state["batch"] = copy.deepcopy(source_prefix.caches[j]), batch
+            state["cache"] = copy.deepcopy(source_prefix.caches[j])
             if copies > 1:
                 state["cache"].batch_repeat_interleave(copies)
             if state["cache"].get_seq_length() != past.get_seq_length():

@@ -178,17 +178,14 @@ def group_shares(delta: torch.Tensor, cos: torch.Tensor, base_means: torch.Tenso
     pos = delta > 0
     groups = neuron_groups(cos, base_means, pos)
     d = delta.detach().float().cpu().numpy()
-    total = float(d[pos.cpu().numpy()].sum())
-    rows = []
-    for g in GROUPS:
-        sel = groups == g
-        rows.append({"group": g, "count": int(sel.sum()), "delta_sum": float(d[sel].sum()),
-                     "share": float(d[sel].sum()) / total if total > 0 else float("nan")})
-    return pd.DataFrame(rows)
+    shares = group_share_array(d.ravel(), cos.detach().float().cpu().numpy().ravel(),
+                               base_means.detach().float().cpu().numpy().ravel())
+    return pd.DataFrame([{"group": g, "count": int((groups == g).sum()), "delta_sum": float(d[groups == g].sum()),
+                          "share": float(share)} for g, share in zip(GROUPS, shares)])
 
 
 def group_share_array(delta: np.ndarray, cos: np.ndarray, base_means: np.ndarray) -> np.ndarray:
-    """The share column of :func:`group_shares` as arrays, for many resamples at once: ``delta`` and
+    """The share column of :func:`group_shares` (which calls it), for many resamples at once: ``delta`` and
     ``base_means`` [..., n_neurons] (any leading batch axes), ``cos`` [n_neurons] or the same shape.
     Returns [..., 4], the shares of the positive Delta in GROUPS order (nan where no Delta is positive)."""
     d, m = np.asarray(delta), np.asarray(base_means)

@@ -273,8 +273,11 @@ def test_group_share_array_matches_group_shares_row_by_row():
     m = np.stack([r[1].flatten().numpy() for r in rows])
     got = dn.group_share_array(d, cos.flatten().numpy(), m)
     assert got.shape == (5, 4)
-    for i, (delta, means) in enumerate(rows):
-        np.testing.assert_allclose(got[i], dn.group_shares(delta, cos, means).share.to_numpy(), rtol=1e-5)
+    for i, (delta, means) in enumerate(rows):  # each row: its positive Delta summed by neuron_groups' labels
+        labels, dd = dn.neuron_groups(cos, means, delta > 0), delta.numpy()
+        want = [dd[labels == g].sum() / dd[dd > 0].sum() for g in dn.GROUPS]
+        np.testing.assert_allclose(got[i], want, rtol=1e-5)
+        np.testing.assert_allclose(dn.group_shares(delta, cos, means).share.to_numpy(), want, rtol=1e-5)
     assert dn.group_share_array(d[None], cos.flatten().numpy(), m[None]).shape == (1, 5, 4)  # any batch axes
     assert np.isnan(dn.group_share_array(-np.abs(d[0]), cos.flatten().numpy(), m[0])).all()  # no Delta > 0
     with pytest.raises(ValueError, match="same shape"):

@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 KERNEL_CFG := $(VENV)/etc/ipython/ipython_kernel_config.py
 
 .DEFAULT_GOAL := help
-.PHONY: help setup reproduce test test-lib test-notebooks test-stability claims clean-results workflow-dry-run bench site test-site student
+.PHONY: help setup reproduce test test-lib test-notebooks test-stability audit manifest claims clean-results workflow-dry-run bench site test-site student
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -36,9 +36,13 @@ SNAKEMAKE := $(VENV)/bin/snakemake --cores $(CORES) --rerun-incomplete --printsh
 
 # NOTEBOOKS is passed quoted ('"00"'), so Snakemake keeps "00" a string instead of the integer 0;
 # `lib.runner recover` first removes what a killed run left (a stale lock, hidden .partial notebooks).
-reproduce: $(STAMP) $(KERNEL_CFG) ## run the notebooks through Snakemake (MODEL=<name>: that model's grid; NOTEBOOKS=01,02: a subset)
+# The notebooks read the committed measurement records (results/<model>/measurements/, lib/store.py) and compute
+# only the missing ones; FRESH=1 computes every record again (COMPENDIUM_RECORDS=fresh) and re-runs every notebook.
+FRESH ?=
+reproduce: $(STAMP) $(KERNEL_CFG) ## run the notebooks through Snakemake (MODEL=<name>: that model's grid; NOTEBOOKS=01,02: a subset; FRESH=1: every record measured again)
 	$(PY) -m lib.runner recover
-	$(SNAKEMAKE) --config run=$(or $(MODEL),default) $(if $(DEVICE),device=$(DEVICE)) $(if $(NOTEBOOKS),only='"$(NOTEBOOKS)"')
+	$(if $(FRESH),COMPENDIUM_RECORDS=fresh) $(SNAKEMAKE) $(if $(FRESH),--forceall) --config run=$(or $(MODEL),default) $(if $(DEVICE),device=$(DEVICE)) $(if $(NOTEBOOKS),only='"$(NOTEBOOKS)"')
+	$(PY) -m lib.store manifest
 
 workflow-dry-run: $(STAMP) ## list every notebook x model job of the full grid (nothing runs)
 	$(VENV)/bin/snakemake -n --forceall --config run=all
@@ -47,14 +51,25 @@ workflow-dry-run: $(STAMP) ## list every notebook x model job of the full grid (
 # COMPENDIUM_THREADS, 2 unless set; each job gets COMPENDIUM_THREADS / WORKERS threads, a job that starts alone
 # all of them), a notebook only after the notebooks whose cached artifacts it reuses (lib/runner.py: NEEDS, TEST_AFTER).
 WORKERS ?=
-test: $(STAMP) $(KERNEL_CFG) ## pytest on lib/ and nbval on every notebook, two jobs at a time (WORKERS=1: one by one)
+# The notebooks run in strict mode: they read the committed records and compute none (a missing one is an error
+# naming the command that builds it); a seeded sample of those records is recomputed and compared (the audit).
+test: $(STAMP) $(KERNEL_CFG) ## pytest on lib/, nbval on every notebook from the committed records, and the audit
 	HF_HUB_OFFLINE=1 $(PY) -m lib.runner test $(if $(WORKERS),--workers $(WORKERS))
 
 test-lib: $(STAMP) ## pytest on lib/ with tiny random models of every family
 	HF_HUB_OFFLINE=1 $(PY) -m pytest tests -q
 
-test-notebooks: $(STAMP) $(KERNEL_CFG) ## nbval on every notebook in notebooks/ (NOTEBOOKS=07,10: a subset), as make test does
-	HF_HUB_OFFLINE=1 $(PY) -m lib.runner test --no-lib $(if $(WORKERS),--workers $(WORKERS)) $(if $(NOTEBOOKS),--notebooks '$(NOTEBOOKS)')
+test-notebooks: $(STAMP) $(KERNEL_CFG) ## nbval on every notebook in notebooks/ (NOTEBOOKS=07,10: a subset), as make test does, without the audit
+	HF_HUB_OFFLINE=1 $(PY) -m lib.runner test --no-lib --no-audit $(if $(WORKERS),--workers $(WORKERS)) $(if $(NOTEBOOKS),--notebooks '$(NOTEBOOKS)')
+
+# A seeded sample of the committed records (one of each step at least, rotating with the commit, about AUDIT_BUDGET
+# seconds of recorded wall time) measured again on this machine and compared under each step's stated tolerance.
+AUDIT_BUDGET ?= 600
+audit: $(STAMP) $(KERNEL_CFG) ## recompute a seeded sample of the committed records and compare them (NOTEBOOKS=03,05: only theirs)
+	HF_HUB_OFFLINE=1 $(PY) -m lib.runner audit --budget $(AUDIT_BUDGET) $(if $(NOTEBOOKS),--notebooks '$(NOTEBOOKS)')
+
+manifest: $(STAMP) ## rewrite results/<model>/measurements/MANIFEST.md from the records' provenance
+	$(PY) -m lib.store manifest
 
 # Each notebook at COMPENDIUM_THREADS=1 and 2 (papermill, default parameters, in a copy of the tree under
 # a temporary folder); fails with a diff when a key-number cell (# NBVAL_CHECK_OUTPUT) prints differently.
@@ -67,8 +82,10 @@ student: $(STAMP) ## student copies in students/: solutions (tag solution) remov
 claims: $(STAMP) ## rewrite results/<model>/claims.md from the recorded findings
 	$(PY) -m lib.runner claims $(if $(MODEL),--model $(MODEL))
 
-clean-results: ## remove executed notebooks and ledgers (keeps the cache)
-	rm -rf results/*/
+# Only what runs leave (executed notebooks, timings, per-notebook records, ad-hoc run folders): the committed
+# ledgers and measurement records stay.
+clean-results: ## remove executed notebooks, timings and ad-hoc runs (keeps the ledgers, the records and the cache)
+	rm -rf results/*/*.ipynb results/*/[0-9][0-9]_*.json results/*/timings results/*/runs
 
 bench: $(STAMP) ## time lib against the alternatives (issue 7) and write benchmarks/RESULTS.md (ARGS="--device cuda ...")
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench.py $(if $(DEVICE),--device $(DEVICE)) $(ARGS)

@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from lib import cache, data, hooks, metrics, models, repro
+from lib import cache, data, hooks, metrics, models, repro, store
 from lib.models import Loaded
 
 # Default sizes shared by notebooks 02-06 (CPU-sized; papermill parameters scale them up).
@@ -79,6 +79,7 @@ class Probe:
     test_features: torch.Tensor | None = None  # [n_test, d_model] features of the test set (the Jigsaw sample)
     test_labels: torch.Tensor | None = None  # [n_test] 0/1
     test_predicted: torch.Tensor | None = None  # [n_test] 0/1, the probe's predictions on the test set
+    record: str = ""  # the key of its record in the measurement store ("" when not read from one)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Decision function on pooled features [n, d_model] -> [n] (> 0 means toxic)."""
@@ -205,7 +206,18 @@ def train_probe(lm: Loaded, n_per_class: int = DEFAULTS["n_probe_per_class"], se
     params = {"n_per_class": n_per_class, "seed": seed, "max_length": max_length, "layer": PROBE_FEATURE_LAYER,
               "steer_depth": round(float(steer_depth), 6), "version": 4,
               "data": cache.content_hash([texts, labels, jig_texts, jig_labels])}  # edited tweets: a new probe
-    return cache.get_or_build("probe", lm.name, params, build)
+    params = {"model": lm.name, **params}
+    probe = store.measure("probe", store.owner(lm.name), params, build, to_record=_probe_record, from_record=_probe_from)
+    probe.record = store.key_of("probe", params)
+    return probe
+
+
+def _probe_record(probe: Probe) -> dict:
+    return {f.name: getattr(probe, f.name) for f in dataclasses.fields(probe) if f.name != "record"}
+
+
+def _probe_from(fields: dict) -> Probe:
+    return Probe(**fields)
 
 
 # ----------------------------------------------------------------------------- preference pairs
@@ -277,10 +289,12 @@ def preference_pairs(lm: Loaded, probe: Probe, n_pairs: int = DEFAULTS["n_pairs"
                                          "distinct2_chosen", "distinct2_rejected"])
         return {"pairs": df, "n_tried": tried, "n_looping": looping, "scorer": name}
 
-    params = {"steer": _tensor_key(vec), "layer": probe.steer_layer, "n_pairs": n_pairs, "seed": seed,
+    # the steering vector by the probe's record when it has one (its bytes otherwise)
+    params = {"model": lm.name, "steer": probe.record or _tensor_key(vec), "steer_scale": float(steer_scale),
+              "layer": probe.steer_layer, "n_pairs": n_pairs, "seed": seed,
               "max_new_tokens": max_new_tokens, "offset": offset, "scorer": metrics.resolve_scorer(scorer),
               "chunk": chunk, "prompts": cache.content_hash(pool), "min_distinct2": float(min_distinct2), "version": 2}
-    out = cache.get_or_build("pairs", lm.name, params, build)
+    out = store.measure("preference-pairs", store.owner(lm.name), params, build)
     df = out["pairs"].copy()
     df.attrs.update(n_tried=out["n_tried"], n_looping=out["n_looping"], scorer=out["scorer"])
     return df
@@ -548,6 +562,21 @@ def toxicity_perplexity_f1(lm: Loaded, n_prompts: int = DEFAULTS["n_prompts"], n
         if not isinstance(v, int) or v <= 0:
             raise ValueError(f"{k} must be a positive integer, got {v!r}")
     inputs = evaluation_inputs(n_prompts, n_wiki, prompts)
+    kw = dict(n_prompts=n_prompts, n_wiki=n_wiki, max_new_tokens=max_new_tokens, batch_size=batch_size, scorer=scorer,
+              progress=progress, details=details, toxicity_only=toxicity_only, perplexity=perplexity, prompts=prompts)
+    if prefixes is not None or hooks.hooked(lm):  # inside another intervention: what it measures is not recorded
+        return _toxicity_perplexity_f1(lm, inputs, prefixes=prefixes, **kw)
+    params = {"model": lm.name, "n_prompts": n_prompts, "n_wiki": n_wiki, "max_new_tokens": max_new_tokens,
+              "batch_size": batch_size, "scorer": metrics.resolve_scorer(scorer), "details": details,
+              "toxicity_only": toxicity_only, "perplexity": perplexity}
+    return store.measure("toxicity-perplexity-f1", store.owner(lm.name), params,
+                         lambda: _toxicity_perplexity_f1(lm, inputs, **kw), inputs=inputs)
+
+
+def _toxicity_perplexity_f1(lm: Loaded, inputs: dict, *, n_prompts: int, n_wiki: int, max_new_tokens: int,
+                            batch_size: int, scorer: str, progress: bool, details: bool, toxicity_only: bool,
+                            perplexity: bool, prompts, prefixes: dict | None = None) -> dict:
+    """:func:`toxicity_perplexity_f1`'s measurement itself (no record)."""
     prompts = inputs["challenge_prompts"]
     prefixes = prefixes or {}
     gen = metrics.generate(lm, prompts, max_new_tokens, batch_size, max_prompt_tokens=32, progress=progress,
@@ -679,12 +708,46 @@ def evaluate(lm: Loaded, table=None, *, n_prompts: int, n_wiki: int, max_new_tok
     if positions not in PATCH_POSITIONS:
         raise ValueError(f"positions must be one of {', '.join(PATCH_POSITIONS)}, got {positions!r}")
     table = [] if table is None else table
+    if hooks.hooked(lm):  # inside another intervention (e.g. hooks.copy_activations): not recorded
+        return _evaluate(lm, table, n_prompts=n_prompts, n_wiki=n_wiki, max_new_tokens=max_new_tokens, scorer=scorer,
+                         toxicity_only=toxicity_only, positions=positions, prompts=prompts)
+    inputs = evaluation_inputs(n_prompts, n_wiki, prompts)
+    return store.measure("evaluation", store.owner(lm.name),
+                         _evaluation_params(lm, table, n_prompts, n_wiki, max_new_tokens, scorer, toxicity_only, positions),
+                         lambda: _evaluate(lm, table, n_prompts=n_prompts, n_wiki=n_wiki, max_new_tokens=max_new_tokens,
+                                           scorer=scorer, toxicity_only=toxicity_only, positions=positions,
+                                           prompts=prompts),
+                         inputs=inputs)
+
+
+def _table_key(table) -> str:
+    """The content hash of an intervention table: its edits (layer, neuron, mode, value) in order."""
+    return cache.content_hash([[e.layer, e.neuron, e.mode, float(e.value)] for e in hooks._as_edits(table)])
+
+
+def _evaluation_params(lm: Loaded, table, n_prompts: int, n_wiki: int, max_new_tokens: int, scorer: str,
+                       toxicity_only: bool, positions: str, copy_from: Loaded | None = None) -> dict:
+    """What identifies one evaluation's record: the model, the intervention, where it writes and the sizes (the
+    prompts and texts enter as their content hash); toxicity-only evaluations of :func:`evaluate` and
+    :func:`evaluate_each` share their records."""
+    what = ({"table": _table_key(table)} if copy_from is None else
+            {"copy_from": copy_from.name, "neurons": cache.content_hash(sorted({(int(L), int(i)) for L, i in table}))})
+    return {"model": lm.name, **what, "positions": positions, "n_prompts": n_prompts,
+            "n_wiki": None if toxicity_only else n_wiki, "max_new_tokens": max_new_tokens,
+            "scorer": metrics.resolve_scorer(scorer), "toxicity_only": toxicity_only}
+
+
+def _evaluate(lm: Loaded, table, *, n_prompts: int, n_wiki: int, max_new_tokens: int, scorer: str,
+              toxicity_only: bool, positions: str, prompts) -> dict:
+    """:func:`evaluate`'s measurement itself (no record)."""
     prefixes = (shared_prefixes(lm, n_prompts, n_wiki, prompts, toxicity_only)
                 if positions == "last" and not hooks.hooked(lm) else None)
+    inputs = evaluation_inputs(n_prompts, n_wiki, prompts)
     with hooks.intervene(lm, table, positions=positions):
-        out = toxicity_perplexity_f1(lm, n_prompts=n_prompts, n_wiki=n_wiki, max_new_tokens=max_new_tokens,
-                                     scorer=scorer, progress=False, details=True, toxicity_only=toxicity_only,
-                                     perplexity=positions == "all", prompts=prompts, prefixes=prefixes)
+        out = _toxicity_perplexity_f1(lm, inputs, n_prompts=n_prompts, n_wiki=n_wiki, max_new_tokens=max_new_tokens,
+                                      batch_size=metrics.GENERATE_BATCH_SIZE, scorer=scorer, progress=False,
+                                      details=True, toxicity_only=toxicity_only, perplexity=positions == "all",
+                                      prompts=prompts, prefixes=prefixes)
     if toxicity_only or positions == "all":
         return out
     golds = [r["gold"] for r in evaluation_inputs(n_prompts, n_wiki)["wiki"]]
@@ -744,6 +807,21 @@ def evaluate_each(lm: Loaded, tables: Sequence, *, n_prompts: int, n_wiki: int, 
         raise ValueError(f"positions must be one of {', '.join(PATCH_POSITIONS)}, got {positions!r}")
     if not isinstance(per_batch, int) or per_batch <= 0:
         raise ValueError(f"per_batch must be a positive integer, got {per_batch!r}")
+    tables = list(tables)
+    inputs = evaluation_inputs(n_prompts, n_wiki, prompts)
+    kw = dict(n_prompts=n_prompts, n_wiki=n_wiki, max_new_tokens=max_new_tokens, scorer=scorer, positions=positions,
+              prompts=prompts, per_batch=per_batch, progress=progress, copy_from=copy_from)
+    if hooks.hooked(lm) or (copy_from is not None and hooks.hooked(copy_from)):  # inside another intervention
+        return _evaluate_each(lm, tables, **kw)
+    params = [_evaluation_params(lm, t, n_prompts, n_wiki, max_new_tokens, scorer, True, positions, copy_from)
+              for t in tables]
+    return store.measure_many("evaluation", store.owner(lm.name), params,
+                              lambda idx: _evaluate_each(lm, [tables[i] for i in idx], **kw), inputs=inputs)
+
+
+def _evaluate_each(lm: Loaded, tables: list, *, n_prompts: int, n_wiki: int, max_new_tokens: int, scorer: str,
+                   positions: str, prompts, per_batch: int, progress: bool, copy_from: Loaded | None) -> list[dict]:
+    """:func:`evaluate_each`'s measurement itself (no records)."""
     chosen = evaluation_inputs(n_prompts, n_wiki, prompts)["challenge_prompts"]
     shared = positions == "last" and not hooks.hooked(lm) and (copy_from is None or not hooks.hooked(copy_from))
     prefix = _prefix(lm, chosen) if shared else None
@@ -1007,9 +1085,13 @@ def validate_directions(lm: Loaded, probe: Probe, scorer: str = "auto", seed: in
         return {"table": table, "best": best, "steer_norm": norm, "baseline": float(t0.mean()),
                 "random": rand, "scorer": name, "examples": examples}
 
-    key = {"settings": s, "seed": seed, "scorer": metrics.resolve_scorer(scorer), "layer": layer, "version": 3,
-           "vectors": {k: _tensor_key(v) for k, v in vectors.items()}, "prompts": cache.content_hash(prompts)}
-    out = cache.get_or_build("direction-gate", lm.name, key, build)
+    # the candidates are a function of the model and the probe: named by the probe's record when it has one (their
+    # bytes would differ in the last bits between CPUs for the ones averaged here), else by their bytes
+    named = {"probe": probe.record, "candidates": sorted(vectors)} if probe.record else \
+        {k: _tensor_key(v) for k, v in vectors.items()}
+    key = {"model": lm.name, "settings": s, "seed": seed, "scorer": metrics.resolve_scorer(scorer), "layer": layer,
+           "vectors": named, "prompts": cache.content_hash(prompts)}
+    out = store.measure("direction-gate", store.owner(lm.name), key, build)
     return DirectionGate(out["table"], vectors, out["best"], layer, out["steer_norm"], out["baseline"],
                          out["random"], out["scorer"], {**s, "examples": out["examples"]})
 
@@ -1239,3 +1321,90 @@ def setup(model_name: str = "smollm2-135m", device: str = "auto", seed: int = 0,
     return Setup(model_name, spec, device, seed, sz, list(eval_prompts),
                  list(stats_prompts), {"prompts": list(eval_prompts)} if prompts and evaluation else {}, scorer,
                  scorer_name, direction, fallback, positions, same_vector)
+
+
+# ----------------------------------------------------------------------------- records (lib.store)
+# What paper A measures, kept as committed records; the tolerances the audit allows when it recomputes one on
+# another machine, each in units of the measurement's own uncertainty (lib.store.half_width: the half-width of
+# the normal 95% interval of a mean over prompts, texts or tweets).
+AUDIT_FRACTION = 0.5  # a recomputed mean may move by at most this fraction of its committed interval's half-width
+
+
+def _identical_share(a: Sequence[str], b: Sequence[str]) -> float:
+    return float(np.mean([x == y for x, y in zip(a, b)])) if len(a) and len(a) == len(b) else 0.0
+
+
+def _mean_check(name: str, committed: Sequence[float], fresh: Sequence[float]) -> "store.Check":
+    hw = store.half_width(committed)
+    return store.within(f"mean {name}", float(np.mean(committed)), float(np.mean(fresh)), AUDIT_FRACTION * hw,
+                        f"{AUDIT_FRACTION:g} x the half-width {hw:.3g} of its 95% interval over {len(committed)} items")
+
+
+def _compare_evaluation(c: dict, f: dict) -> list:
+    """An evaluation: mean toxicity (and F1) within half their interval; perplexity within 1% (a teacher-forced
+    pass over fixed texts: only float noise moves it); the share of identical continuations, reported (the
+    cross-CPU sensitivity of greedy decoding)."""
+    checks = [_mean_check("toxicity", c["toxicities"], f["toxicities"])] if "toxicities" in c else \
+        [store.within("toxicity", c["toxicity"], f["toxicity"], 0.01, "no per-prompt values kept: 0.01")]
+    for k in ("perplexity", "perplexity_authors"):
+        if k in c:
+            checks.append(store.within(k, c[k], f[k], 0.01 * abs(c[k]), "1% of the committed value"))
+    if "f1s" in c:
+        checks.append(_mean_check("F1", c["f1s"], f["f1s"]))
+    if "continuations" in c:
+        checks.append(store.info("identical continuations (share)", 1.0,
+                                 _identical_share(c["continuations"], f["continuations"]),
+                                 "greedy decoding on this CPU against the committed one"))
+    return checks
+
+
+def _compare_probe(c: dict, f: dict) -> list:
+    """The probe: held-out and Jigsaw accuracies within half their binomial interval; the direction's cosine with
+    the committed one, reported."""
+    out = []
+    n_val = max(1, round(c["n_train"] / 9))  # the 10% validation split beside n_train
+    for k, n in (("val_accuracy", n_val), ("jigsaw_accuracy", len(c["test_labels"]) if c.get("test_labels") is not None else 0)):
+        if n and np.isfinite(c[k]):
+            hw = 1.96 * np.sqrt(max(c[k] * (1 - c[k]), 1e-4) / n)
+            out.append(store.within(k, c[k], f[k], AUDIT_FRACTION * hw, f"{AUDIT_FRACTION:g} x the binomial 95% half-width "
+                                    f"{hw:.3g} over {n} texts"))
+    a, b = c["direction"].double(), f["direction"].double()
+    out.append(store.info("cosine of the probe directions", 1.0, float(a @ b / (a.norm() * b.norm())), "reported"))
+    return out
+
+
+def _compare_pairs(c: dict, f: dict) -> list:
+    """Preference pairs: the mean toxicity gap (rejected - chosen) within half its interval; the share of identical
+    chosen texts, reported."""
+    gc = (c["pairs"].tox_rejected - c["pairs"].tox_chosen).to_numpy()
+    gf = (f["pairs"].tox_rejected - f["pairs"].tox_chosen).to_numpy()
+    return [_mean_check("toxicity gap of the pairs", gc, gf),
+            store.info("pairs kept", len(gc), len(gf), "reported"),
+            store.info("identical chosen continuations (share)", 1.0,
+                       _identical_share(c["pairs"].chosen.tolist(), f["pairs"].chosen.tolist()), "reported")]
+
+
+def _compare_gate(c: dict, f: dict) -> list:
+    """The direction gate: each candidate's steering effect within half its interval's half-width, and the same
+    candidates validated."""
+    tc, tf = c["table"], f["table"]
+    out = []
+    for d in tc.index:
+        hw = float(tc.loc[d, "steer_high"] - tc.loc[d, "steer_low"]) / 2
+        out.append(store.within(f"steering effect of {d!r}", tc.loc[d, "steer_effect"], tf.loc[d, "steer_effect"],
+                                AUDIT_FRACTION * hw, f"{AUDIT_FRACTION:g} x its interval's half-width {hw:.3g}"))
+    same = list(tc.index[tc.validated]) == list(tf.index[tf.validated])
+    out.append(store.Check("same candidates validated", 1.0, float(same), "must be the same", same))
+    return out
+
+
+store.step("probe", 1, "paper A's toxicity probe: weights, accuracies, steering vector, features it was fit on",
+           _compare_probe)
+store.step("preference-pairs", 1, "paper A's preference pairs: prompts, greedy and steered continuations, scores",
+           _compare_pairs)
+store.step("direction-gate", 1, "paper A's direction gate: steering and promoted-token tests of each candidate",
+           _compare_gate)
+store.step("toxicity-perplexity-f1", 1, "one model's toxicity, perplexity and F1 (Lee et al. 2024), per item",
+           _compare_evaluation)
+store.step("evaluation", 1, "one model under one intervention: toxicity per prompt with its continuations, "
+           "perplexity, F1", _compare_evaluation)

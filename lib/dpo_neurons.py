@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from lib import cache, hooks, metrics, stats
+from lib import cache, hooks, metrics, stats, store
 from lib.models import Loaded
 
 GROUPS = ("TP", "TN", "AP", "AN")
@@ -83,9 +83,10 @@ def pair_stats(model_name: str, base: Loaded, tuned: Loaded, tuned_params: dict,
     prompts = list(prompts)
     if not prompts:
         raise ValueError("pair_stats needs at least one prompt")
-    params = {"tuned": dict(sorted(tuned_params.items())), "prompts": prompts, "max_new_tokens": max_new_tokens,
-              "k": k, "max_prompt_tokens": max_prompt_tokens, "positions": "last_k", "own_generations": True,
-              "per_prompt": True}
+    params = {"tuned": dict(sorted(tuned_params.items())), "prompts": cache.content_hash(prompts),
+              "max_new_tokens": max_new_tokens, "k": k, "max_prompt_tokens": max_prompt_tokens, "positions": "last_k",
+              "model": base.name}
+    owner = store.owner(model_name)
 
     def build():
         sb, gb = generation_stats(lm=base, prompts=prompts, max_new_tokens=max_new_tokens, k=k,
@@ -94,26 +95,69 @@ def pair_stats(model_name: str, base: Loaded, tuned: Loaded, tuned_params: dict,
         st, gt = generation_stats(lm=tuned, prompts=prompts, max_new_tokens=max_new_tokens, k=k,
                                   batch_size=batch_size, max_prompt_tokens=max_prompt_tokens,
                                   progress=progress, desc="tuned", pooled=True)
-        return {"base": sb.mean, "tuned": st.mean, "base_per_prompt": sb.pooled.float(),
-                "tuned_per_prompt": st.pooled.float(), "base_continuations": gb.continuations,
+        _PER_PROMPT[(id(base), id(tuned), owner, str(params))] = {"base": sb.pooled.float(), "tuned": st.pooled.float()}
+        return {"base": sb.mean, "tuned": st.mean, "base_continuations": gb.continuations,
                 "tuned_continuations": gt.continuations, "prompts": gb.prompts,
                 "count": {"base": int(sb.count[0]), "tuned": int(st.count[0])}}
 
-    own = {**cache.get_or_build("neuron-stats", model_name, params, build), "texts": "own"}
+    own = store.measure("neuron-stats", owner, {**params, "texts": "own"}, build)
+    per_prompt = _per_prompt_reader(model_name, base, tuned, params, own, k, batch_size, progress)
     if texts == "own":
-        return own
+        return PairStats({**own, "texts": "own"}, per_prompt, "own")
     read = [p + c for p, c in zip(own["prompts"], own["base_continuations"])]  # the base model's full texts
 
     def build_same():
         st = hooks.mlp_activation_stats(tuned, read, positions="last_k", k=k, batch_size=batch_size, max_length=None,
                                         pooled=True, progress=progress, desc="tuned on the base model's texts")
-        return {"tuned": st.mean, "tuned_per_prompt": st.pooled.float(), "count": int(st.count[0])}
+        _PER_PROMPT[(id(base), id(tuned), owner, str(params), "same")] = st.pooled.float()
+        return {"tuned": st.mean, "count": int(st.count[0])}
 
-    same = cache.get_or_build("neuron-stats", model_name, {**params, "own_generations": False, "texts": "base"},
-                              build_same)
-    return {**own, "tuned": same["tuned"], "tuned_per_prompt": same["tuned_per_prompt"],
-            "tuned_continuations": own["base_continuations"], "count": {**own["count"], "tuned": same["count"]},
-            "texts": "base"}
+    same = store.measure("neuron-stats", owner, {**params, "texts": "base"}, build_same)
+    return PairStats({**own, "tuned": same["tuned"], "tuned_continuations": own["base_continuations"],
+                      "count": {**own["count"], "tuned": same["count"]}, "texts": "base"}, per_prompt, "base")
+
+
+# The per-prompt means of a build in this process, so that its first reader does not run the models again
+_PER_PROMPT: dict = {}
+
+
+class PairStats(dict):
+    """:func:`pair_stats`' result. The record keeps the means and the continuations; the per-prompt means
+    ("base_per_prompt", "tuned_per_prompt", [n_prompts, n_layers, d_mlp], for intervals over prompts) are large,
+    so they are computed again from the recorded continuations on first use (a forward pass of each model over
+    its texts, cached in lib.cache)."""
+
+    def __init__(self, values: dict, per_prompt, texts: str):
+        super().__init__(values)
+        self._per_prompt, self._texts = per_prompt, texts
+
+    def __missing__(self, key):
+        if key not in ("base_per_prompt", "tuned_per_prompt"):
+            raise KeyError(key)
+        value = self._per_prompt(key.split("_")[0], self._texts)
+        self[key] = value
+        return value
+
+
+def _per_prompt_reader(model_name, base, tuned, params, own, k, batch_size, progress):
+    def read(which: str, texts: str) -> torch.Tensor:
+        owner = store.owner(model_name)
+        memo = _PER_PROMPT.get((id(base), id(tuned), owner, str(params)))
+        if which == "tuned" and texts == "base":
+            hit = _PER_PROMPT.get((id(base), id(tuned), owner, str(params), "same"))
+            if hit is not None:
+                return hit
+        elif memo is not None:
+            return memo[which]
+        lm = base if which == "base" else tuned
+        conts = own["base_continuations"] if which == "base" or texts == "base" else own["tuned_continuations"]
+        full = [p + c for p, c in zip(own["prompts"], conts)]
+        key = {**params, "which": which, "texts": cache.content_hash(full), "model": lm.name}
+        return cache.get_or_build("neuron-stats-per-prompt", model_name, key, lambda: hooks.mlp_activation_stats(
+            lm, full, positions="last_k", k=k, batch_size=batch_size, max_length=None, pooled=True, progress=progress,
+            desc=f"{which}: per-prompt activations").pooled.float())
+
+    return read
 
 
 # ----------------------------------------------------------------------------- projections and groups
@@ -338,22 +382,30 @@ def reduction_share_interval(base: Sequence[float], intervened: Sequence[float],
 
 def reference_evaluations(model_name: str, base: Loaded, tuned: Loaded, tuned_params: dict, evaluate,
                           **eval_kwargs) -> dict:
-    """``evaluate(lm, **eval_kwargs)`` of the base and the fine-tuned model, cached (so notebooks that
-    compare interventions with both reuse them). Keys: model, which model, ``tuned_params`` (for
-    the tuned one), ``eval_kwargs`` with the toxicity scorer resolved, and the content hash of the
-    data ``evaluate`` reads when it declares it as ``evaluate.inputs(**eval_kwargs)`` (as
-    ``lib.dpo.toxicity_perplexity_f1`` does): an edited prompt is evaluated again.
-    Returns {"base": ..., "tuned": ...}."""
-    inputs = getattr(evaluate, "inputs", None)
-    # with declared inputs, a user's prompts enter through the content hash of the data below
-    kw = {k: v for k, v in sorted(eval_kwargs.items()) if k != "progress" and not (k == "prompts" and inputs is not None)}
-    if "scorer" in kw:
-        kw["scorer"] = metrics.resolve_scorer(kw["scorer"])
-    if inputs is not None:
-        kw["data"] = cache.content_hash(inputs(**eval_kwargs))
-    out = {}
-    for label, lm in (("base", base), ("tuned", tuned)):
-        params = {"which": label, "evaluate": f"{evaluate.__module__}.{evaluate.__qualname__}", **kw,
-                  **({"tuned": dict(sorted(tuned_params.items()))} if label == "tuned" else {})}
-        out[label] = cache.get_or_build("evaluation", model_name, params, lambda lm=lm: evaluate(lm, **eval_kwargs))
+    """``evaluate(lm, **eval_kwargs)`` of the base and the fine-tuned model (notebooks that compare
+    interventions with both share them). ``evaluate`` keeps its own records (``lib.dpo.toxicity_perplexity_f1``
+    reads and writes the measurement store, keyed by the model, the sizes and the content of the prompts and
+    texts), so a second call reads them. ``model_name`` and ``tuned_params`` are kept for callers; the
+    evaluated models' names identify them. Returns {"base": ..., "tuned": ...}."""
+    return {"base": evaluate(base, **eval_kwargs), "tuned": evaluate(tuned, **eval_kwargs)}
+
+
+def _compare_stats(c: dict, f: dict) -> list:
+    """Mean activations: each model's per-neuron means correlate at r >= 0.99 with the committed ones (they are
+    means over the continuations, which greedy decoding on another CPU may change); the share of identical
+    continuations, reported."""
+    out = []
+    for k in ("base", "tuned"):
+        if k in c:
+            r = float(np.corrcoef(np.asarray(c[k], dtype=float).ravel(), np.asarray(f[k], dtype=float).ravel())[0, 1])
+            out.append(store.at_least(f"correlation of the {k} model's mean activations", r, 0.99,
+                                      "per-neuron means over the recorded positions"))
+    for k in ("base_continuations", "tuned_continuations"):
+        if k in c:
+            same = float(np.mean([a == b for a, b in zip(c[k], f[k])]))
+            out.append(store.info(f"identical {k.replace('_', ' ')} (share)", 1.0, same, "reported"))
     return out
+
+
+store.step("neuron-stats", 1, "paper A: each model's mean MLP activation per neuron over the last positions of its "
+           "(or the base model's) continuations, with the continuations", _compare_stats)

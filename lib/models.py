@@ -14,6 +14,8 @@ any weights are read.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import importlib.metadata
 import importlib.util
 import os
@@ -465,7 +467,10 @@ def tiny_random(family: str, task: str | None = None, seed: int = 0, folder: str
         return load(str(folder), device="cpu", task=task, num_labels=getattr(cfg, "num_labels", None)
                     if task == "sequence-classification" else None)
     kind = "encoder" if family == "bert" else "causal"
-    spec = ModelSpec(f"tiny-{family}", f"tiny-{family}", kind, "random")
+    # the name identifies the weights (records of measurements are keyed by it): seed and overrides are part of it
+    tag = "" if seed == 0 and not overrides else "-" + hashlib.sha256(
+        json.dumps([seed, sorted(overrides.items())], default=str).encode()).hexdigest()[:8]
+    spec = ModelSpec(f"tiny-{family}{tag}", f"tiny-{family}", kind, "random")
     return Loaded(model, _prepare_tokenizer(tok, kind), info_from_model(model, spec.name), spec, "cpu", None)
 
 

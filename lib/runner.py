@@ -539,8 +539,18 @@ def test_command(job: str) -> list[str]:
             str(SANITIZE_CFG), "-p", "no:cacheprovider", "-q", str(nb)]
 
 
+AUDIT_BUDGET_S = 600.0  # recorded wall time of the records the audit of `make test` recomputes
+
+
+def audit_seed() -> str:
+    """The audit's seed: COMPENDIUM_AUDIT_SEED, else the current commit (so the sample rotates with the commit)."""
+    from lib import store
+
+    return os.environ.get("COMPENDIUM_AUDIT_SEED", "").strip() or store._git("rev-parse", "HEAD") or "0"
+
+
 def run_tests(jobs: list[str], workers: int | None = None, log_dir: Path | None = None,
-              command=test_command) -> dict[str, tuple[int, float]]:
+              command=test_command, audit_budget: float | None = AUDIT_BUDGET_S) -> dict[str, tuple[int, float]]:
     """Run the test jobs (notebook numbers, 'tests') in ``workers`` processes at once, each with
     COMPENDIUM_THREADS = total // workers (total: COMPENDIUM_THREADS, 2 unless set; workers default to
     it), a job only after the jobs it waits for (:func:`test_graph`), the longest chain first. A job
@@ -548,7 +558,16 @@ def run_tests(jobs: list[str], workers: int | None = None, log_dir: Path | None 
     as 02 does for 01), gets all ``total`` threads, so the cores do not idle along a chain.
     Returns {job: (exit code, seconds)}. Each job's output goes to <log_dir>/<job>.log and is printed
     whole when the job fails. Every notebook's key numbers print the same at 1 and 2 threads (make
-    test-stability), so the split changes how long the tests take, not what they check."""
+    test-stability), so the split changes how long the tests take, not what they check.
+
+    The notebooks run in strict mode (``COMPENDIUM_RECORDS=strict``): they read the committed measurement
+    records and compute none; a missing record fails its notebook, naming the command that builds it. With
+    ``audit_budget`` (seconds of recorded wall time), a seeded sample of the tested notebooks' records
+    (:func:`lib.store.plan`, seed :func:`audit_seed`) is recomputed inside those runs and compared with the
+    committed ones; the result is job 'audit' (exit 1 when a record is beyond its tolerance or was not
+    recomputed), its report <log_dir>/audit.log."""
+    from lib import store
+
     total = repro.env_threads()
     workers = total if workers is None else workers
     if not isinstance(workers, int) or workers < 1:
@@ -558,7 +577,19 @@ def run_tests(jobs: list[str], workers: int | None = None, log_dir: Path | None 
     prio = test_order(graph)
     log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="compendium-test-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **repro.quiet_env(), "COMPENDIUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, **repro.quiet_env(), "COMPENDIUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1",
+           store.RECORDS_ENV: "strict"}
+    plan_doc = None
+    notebooks = [j for j in jobs if j != "tests"]
+    if audit_budget is not None and notebooks:
+        plan_doc = store.plan(audit_seed(), audit_budget, notebooks=notebooks)
+        plan_path = log_dir / "audit-plan.json"
+        atomic_write_text(plan_path, json.dumps(plan_doc, indent=1) + "\n")
+        (log_dir / "audit.jsonl").unlink(missing_ok=True)
+        env.update({store.AUDIT_PLAN_ENV: str(plan_path), store.AUDIT_LOG_ENV: str(log_dir / "audit.jsonl")})
+        print(f"audit: {len(plan_doc['records'])} records to recompute (seed {plan_doc['seed'][:12]}, about "
+              f"{plan_doc['estimate_s']:.0f} s recorded), in notebooks {', '.join(n[:2] for n in plan_doc['notebooks']) or 'none'}",
+              flush=True)
     print(f"{len(jobs)} test jobs, {workers} at a time, COMPENDIUM_THREADS={threads} each; logs in {log_dir}",
           flush=True)
     pending, running, done = set(jobs), {}, {}
@@ -572,6 +603,11 @@ def run_tests(jobs: list[str], workers: int | None = None, log_dir: Path | None 
             log.close()
     wall = time.perf_counter() - t_all
     busy = sum(t for _, t in done.values())
+    if plan_doc is not None:
+        ok, text = store.audit_report(plan_doc, log_dir / "audit.jsonl")
+        atomic_write_text(log_dir / "audit.log", text + "\n")
+        print(text, flush=True)
+        done["audit"] = (0 if ok else 1, 0.0)
     print(f"all {len(done)} jobs in {wall:.0f} s ({busy:.0f} s of job time, {busy / max(wall, 1e-9):.2f} jobs at once on average)",
           flush=True)
     return done
@@ -605,6 +641,53 @@ def _schedule(pending, running, done, graph, prio, workers, log_dir, env, comman
             print(f"[{time.perf_counter() - t_all:6.0f} s] {j} {word} in {done[j][1]:.0f} s", flush=True)
             if proc.returncode != 0:
                 print((log_dir / f"{j}.log").read_text(), flush=True)
+
+
+# ----------------------------------------------------------------------------- make audit
+
+
+def audit(notebooks: list[str] | None = None, budget: float = AUDIT_BUDGET_S, seed: str | None = None,
+          out_dir: Path | None = None, timeout: int | None = None) -> tuple[bool, str]:
+    """``make audit``: recompute a seeded sample of the committed records (:func:`lib.store.plan`) on this machine
+    and compare each with the committed one under its step's tolerance. Each notebook that reads a planned record
+    runs once with papermill in strict mode, in a copy of lib/, notebooks/, data/ and params/ (so figures and
+    ledgers stay out of the working tree), reading the repository's records and cache. Returns (passed, report)."""
+    from lib import store
+
+    plan_doc = store.plan(seed or audit_seed(), budget, notebooks=notebooks)
+    out_dir = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="compendium-audit-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan_path, log = out_dir / "audit-plan.json", out_dir / "audit.jsonl"
+    atomic_write_text(plan_path, json.dumps(plan_doc, indent=1) + "\n")
+    log.unlink(missing_ok=True)
+    box = out_dir / "tree"
+    if not box.exists():
+        _sandbox(box)
+    install_kernel_config(quiet=True)
+    env = {**os.environ, **repro.quiet_env(), "PYTHONPATH": os.pathsep.join(
+        [str(box)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+        "COMPENDIUM_CACHE": str(paths.CACHE), store.STORE_ENV: str(store.root()), store.RECORDS_ENV: "strict",
+        store.AUDIT_PLAN_ENV: str(plan_path), store.AUDIT_LOG_ENV: str(log)}
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    print(f"audit: {len(plan_doc['records'])} records (seed {plan_doc['seed'][:12]}, about {plan_doc['estimate_s']:.0f} s "
+          f"recorded) in notebooks {', '.join(n[:2] for n in plan_doc['notebooks']) or 'none'}; runs in {out_dir}", flush=True)
+    try:
+        for stem in plan_doc["notebooks"]:
+            src = box / "notebooks" / f"{stem}.ipynb"
+            cmd = [sys.executable, "-m", "papermill", str(src), str(out_dir / f"{stem}.ipynb"), "--cwd",
+                   str(box / "notebooks"), "--log-level", "WARNING", "--no-progress-bar"]
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+                tail = "" if proc.returncode == 0 else "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-5:])
+            except subprocess.TimeoutExpired:
+                tail = f"timed out after {timeout} s"
+            print(f"{stem}: {time.perf_counter() - t0:.0f} s" + (f", FAILED:\n{tail}" if tail else ""), flush=True)
+    finally:
+        shutil.rmtree(box, ignore_errors=True)
+    ok, text = store.audit_report(plan_doc, log)
+    atomic_write_text(out_dir / "audit.log", text + "\n")
+    return ok, text
 
 
 # ----------------------------------------------------------------------------- student copies
@@ -669,11 +752,17 @@ def main(argv: list[str] | None = None) -> None:
     su.add_argument("--notebooks", default=None, help="two-digit numbers, e.g. 00,07 (default: every numbered one)")
     su.add_argument("--out", default=str(paths.ROOT / "students"), help="folder for the copies (default: students/)")
     sub.add_parser("kernel-config", help="install the kernel config that quiets the TCP warning into the venv")
+    au = sub.add_parser("audit", help="recompute a seeded sample of the committed records and compare (make audit)")
+    au.add_argument("--notebooks", default=None, help="only records built by these notebooks, e.g. 03,05")
+    au.add_argument("--budget", type=float, default=AUDIT_BUDGET_S, help="seconds of recorded wall time to recompute")
+    au.add_argument("--seed", default=None, help="default: COMPENDIUM_AUDIT_SEED, else the current commit")
+    au.add_argument("--out", default=None, help="folder for the runs and the report (default: a new temporary folder)")
     te = sub.add_parser("test", help="pytest on lib/ and nbval on the notebooks, several at once (make test)")
     te.add_argument("--notebooks", default=None, help="two-digit numbers, e.g. 00,07 (default: every numbered one)")
     te.add_argument("--no-lib", action="store_true", help="only the notebooks (make test-notebooks)")
     te.add_argument("--workers", type=int, default=None, help="jobs at once (default: COMPENDIUM_THREADS, 2 unless set)")
     te.add_argument("--logs", default=None, help="folder for the jobs' logs (default: a new temporary folder)")
+    te.add_argument("--no-audit", action="store_true", help="no recomputed sample of records (make test-notebooks)")
     args = ap.parse_args(argv)
     if args.cmd == "recover":
         for line in recover(Path(args.workdir)):
@@ -701,10 +790,17 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"{len(bad)} of {len(report)} notebook(s) print different key numbers or failed")
     elif args.cmd == "test":
         jobs = ([] if args.no_lib else ["tests"]) + [p.name[:2] for p in select_notebooks(args.notebooks)]
-        done = run_tests(jobs, args.workers, Path(args.logs) if args.logs else None)
+        done = run_tests(jobs, args.workers, Path(args.logs) if args.logs else None,
+                         audit_budget=None if args.no_audit else AUDIT_BUDGET_S)
         bad = sorted(j for j, (rc, _) in done.items() if rc != 0)
         if bad:
             raise SystemExit(f"{len(bad)} of {len(done)} test jobs failed: {', '.join(bad)}")
+    elif args.cmd == "audit":
+        nbs = [n.name[:2] for n in select_notebooks(args.notebooks)] if args.notebooks else None
+        ok, _ = audit(nbs, args.budget, args.seed, Path(args.out) if args.out else None)
+        print("audit passed" if ok else "audit FAILED")
+        if not ok:
+            raise SystemExit(1)
     elif args.cmd == "run":
         print(json.dumps(run(Path(args.notebook), args.model, device=args.device, atomic=args.atomic,
                              device_map=args.device_map)))

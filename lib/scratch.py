@@ -30,7 +30,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from lib import models, repro
+from lib import models, repro, store
 from lib.saobp import (DEFAULT_J, J_MODES, AttentionStats, active, attach, attention_stats, batches, get,
                        no_cache, trim)
 
@@ -376,7 +376,10 @@ def scratch_run(task: str, size: str, seed: int, variant: str, steps: int, batch
     on one CPU thread (:func:`one_thread`), so a run's numbers do not depend on COMPENDIUM_THREADS or on
     whether :func:`scratch_runs` built it in a worker process.
 
-    ``where=True``: return the run's cache file (a Path, which may not exist yet) instead of the run."""
+    Each run is a committed record (lib.store, step 'scratch-run', under the fixed owner ``scratch``: the runs
+    are the same whichever notebook's model asks for them), keyed by these parameters.
+
+    ``where=True``: return whether the run's record exists (without training it) instead of the run."""
     from lib import cache
 
     if size not in SIZES:
@@ -398,7 +401,7 @@ def scratch_run(task: str, size: str, seed: int, variant: str, steps: int, batch
     if curve_every:
         params["curve_every"] = curve_every
     if where:
-        return cache.path("saobp-scratch", "scratch", params, ".pt")
+        return store.exists("scratch-run", SCRATCH_OWNER, params)
 
     def build():
         tok = scratch_tokenizer(task, encoder, decoder)
@@ -421,7 +424,7 @@ def scratch_run(task: str, size: str, seed: int, variant: str, steps: int, batch
                 "table": st.table(), "per_head": {m: st.per_head(m) for m in AttentionStats.METRICS}, "curve": log.curve,
                 "J": None if mod is None else mod.J.detach().clone()}
 
-    return cache.get_or_build("saobp-scratch", "scratch", params, build)
+    return store.measure("scratch-run", SCRATCH_OWNER, params, build)
 
 
 @contextlib.contextmanager
@@ -450,7 +453,7 @@ def _build_in_worker(config: dict) -> str:
     hf_logging.set_verbosity_error()
     torch.set_grad_enabled(False)
     scratch_run(**config)
-    return str(scratch_run(**config, where=True))
+    return repr(config)
 
 
 def scratch_runs(configs: Sequence[dict], workers: int | None = None, progress: bool = False,
@@ -469,7 +472,8 @@ def scratch_runs(configs: Sequence[dict], workers: int | None = None, progress: 
     n = repro.env_threads() if workers is None else workers
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
-    todo = [c for c in configs if not scratch_run(**c, where=True).exists()]
+    # strict mode (make test) computes nothing: a missing record is reported by scratch_run below
+    todo = [] if store.mode() == "strict" else [c for c in configs if not scratch_run(**c, where=True)]
     if n > 1 and len(todo) > 1:
         for name in sorted({c.get("decoder", "smollm2-135m") if c["task"] == "LM" else c.get("encoder", "minilm-l6") for c in todo}):
             models.prepare_embedded(name)  # once, here, rather than by every worker at the same time
@@ -528,9 +532,49 @@ def finetune(model_name: str, arm: str, seed: int, train_enc: dict, texts_enc: d
                 "J": None if mod is None else mod.J.detach().clone(), "seconds_per_step": log.seconds_per_step,
                 "loss_last": float(np.mean(log.losses[-5:]))}
 
-    params = dict(arm=arm, seed=seed, steps=steps, batch_size=batch_size, lr=lr, j_lr=j_lr, **key, version=2,
+    params = dict(model=model_name, arm=arm, seed=seed, steps=steps, batch_size=batch_size, lr=lr, j_lr=j_lr, **key, version=2,
                   # the encodings' content: edited texts or labels give a new artifact, never a stale one
                   data=cache.content_hash([{k: v for k, v in sorted(e.items())} for e in (train_enc, texts_enc, eval_enc)]))
     if arm == "saobp":
         params.update(J=J, j_mode=j_mode)
-    return cache.get_or_build("saobp-finetune", model_name, params, build)
+    return store.measure("saobp-finetune", store.owner(model_name), params, build)
+
+
+# ----------------------------------------------------------------------------- records (lib.store)
+SCRATCH_OWNER = "scratch"  # results/scratch/measurements/: the from-scratch runs, shared by notebooks 07, 09 and 10
+CURVE_TOLERANCE = 0.05  # a recomputed run's final training loss (and perplexity) may differ by 5% of the committed one
+
+
+def _binomial_check(name: str, c: float, f: float, n: int) -> "store.Check":
+    hw = 1.96 * np.sqrt(max(c * (1 - c), 1e-4) / max(n, 1))
+    return store.within(name, c, f, 0.5 * hw, f"0.5 x the binomial 95% half-width {hw:.3g} over {n} examples")
+
+
+def _compare_run(c: dict, f: dict) -> list:
+    """A training run: its final loss (mean of the last 5 steps) within 5% of the committed one; accuracy within
+    half its binomial interval, perplexity within 5%; the learned J reported."""
+    lc, lf = float(np.mean(c["losses"][-5:])), float(np.mean(f["losses"][-5:]))
+    out = [store.within("final training loss", lc, lf, CURVE_TOLERANCE * abs(lc), f"{CURVE_TOLERANCE:.0%} of the committed value")]
+    n = int(c["params"].get("n_eval") or 0) or 200
+    for k, v in c["metrics"].items():
+        if k == "accuracy":
+            out.append(_binomial_check("dev accuracy", v, f["metrics"][k], n))
+        elif "perplexity" in k:
+            out.append(store.within(k, v, f["metrics"][k], CURVE_TOLERANCE * abs(v), f"{CURVE_TOLERANCE:.0%} of the committed value"))
+    return out
+
+
+def _compare_finetune(c: dict, f: dict) -> list:
+    """A fine-tune: its final loss within 5%, its accuracy within 0.05 (the evaluation size is not in the record),
+    its deep-layer entropy per text reported."""
+    return [store.within("final training loss", c["loss_last"], f["loss_last"], CURVE_TOLERANCE * abs(c["loss_last"]),
+                         f"{CURVE_TOLERANCE:.0%} of the committed value"),
+            store.within("accuracy", c["accuracy"], f["accuracy"], 0.05, "a stated 0.05"),
+            store.info("mean normalised entropy over texts and layers", float(np.mean(c["per_text"])),
+                       float(np.mean(f["per_text"])), "reported")]
+
+
+store.step("scratch-run", 1, "paper B: one model trained from scratch: losses, curve, dev metrics, attention "
+           "statistics, learned J", _compare_run)
+store.step("saobp-finetune", 1, "paper B: one fine-tune of a pretrained encoder with or without SAOBP: accuracy, "
+           "attention statistics per text, learned J", _compare_finetune)

@@ -9,7 +9,24 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-from lib import models  # noqa: E402
+import tempfile  # noqa: E402
+
+from lib import models, params, store  # noqa: E402
+
+# The measurement store of the tests: never the repository's results/, never make test's strict mode or audit
+# (module-scoped fixtures write here; each test gets an empty store of its own, see below)
+os.environ[store.STORE_ENV] = tempfile.mkdtemp(prefix="compendium-test-store-")
+for _var in (store.RECORDS_ENV, store.AUDIT_PLAN_ENV, store.AUDIT_LOG_ENV):
+    os.environ.pop(_var, None)
+
+
+@pytest.fixture(autouse=True)
+def own_store(tmp_path, monkeypatch):
+    """Each test: an empty measurement store (COMPENDIUM_STORE), records computed as needed ('use'), no run current."""
+    monkeypatch.setenv(store.STORE_ENV, str(tmp_path / "store"))
+    monkeypatch.delenv(store.RECORDS_ENV, raising=False)
+    monkeypatch.setattr(params, "_CURRENT", None)
+    return tmp_path / "store"
 
 FAMILIES = list(models.FAMILIES)
 DECODERS = [f for f in FAMILIES if f != "bert"]

@@ -7,13 +7,14 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import types
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 
-from lib import cache, data, dpo, dpo_neurons, models, paths
+from lib import cache, data, dpo, dpo_neurons, models, paths, store
 from lib import scratch as lib_scratch  # the fixture below is called scratch
 
 ROOT_DATA = paths.DATA
@@ -104,13 +105,13 @@ def test_reference_evaluations_are_rebuilt_when_a_prompt_changes(pair, scratch):
         return dpo_neurons.reference_evaluations("tiny", base, tuned, {"steps": 1}, dpo.toxicity_perplexity_f1,
                                                  **kw)
 
-    def files():
-        return sorted((scratch / "cache").rglob("evaluation-*.pt"))
+    def files():  # the evaluations' records in the test's measurement store
+        return sorted((scratch / "store").rglob("toxicity-perplexity-f1/*.json*"))
 
     first = ref()
     assert len(files()) == 2  # base and tuned
     stamps = [p.stat().st_mtime_ns for p in files()]
-    assert ref() == first and [p.stat().st_mtime_ns for p in files()] == stamps  # a cache hit
+    assert ref() == first and [p.stat().st_mtime_ns for p in files()] == stamps  # read from the records
     # a prompt the evaluation does not read (row 10 > n_prompts): still the cache
     edit_jsonl(scratch / "data" / "lee2024" / "challenge_prompts.jsonl", 10, "prompt", "never read")
     assert ref() == first and len(files()) == 2
@@ -136,10 +137,14 @@ def keys(monkeypatch):
     """The params each get_or_build call receives (nothing is built)."""
     seen = []
     def record(kind, model, params, build, **kw):
+        kind = {"preference-pairs": "pairs"}.get(kind, kind)
         seen.append((kind, params))
+        if kind == "probe":
+            return types.SimpleNamespace()
         return {"pairs": pd.DataFrame(), "n_tried": 0, "n_looping": 0, "scorer": "none"} if kind == "pairs" else None
 
-    monkeypatch.setattr(cache, "get_or_build", record)
+    monkeypatch.setattr(cache, "get_or_build", record)  # artifacts (lib.cache)
+    monkeypatch.setattr(store, "measure", record)  # records (lib.store)
     return seen
 
 
@@ -177,7 +182,7 @@ def test_saobp_scratch_run_key_holds_the_task_rows(scratch, keys):
     tsv.write_text("".join(lines), encoding="utf-8")
     lib_scratch.scratch_run("SST-2", "mini", 0, "baseline", steps=1)
     (k1, p1), (k2, p2) = keys
-    assert k1 == k2 == "saobp-scratch" and p1["data"] != p2["data"]
+    assert k1 == k2 == "scratch-run" and p1["data"] != p2["data"]
 
 
 def test_finetune_key_holds_the_encodings(scratch, monkeypatch):
@@ -186,7 +191,7 @@ def test_finetune_key_holds_the_encodings(scratch, monkeypatch):
     from lib import cache, scratch as sc
 
     seen = []
-    monkeypatch.setattr(cache, "get_or_build", lambda kind, model, params, build, **kw: seen.append(params))
+    monkeypatch.setattr(store, "measure", lambda kind, model, params, build, **kw: seen.append(params))
     enc = {"input_ids": torch.tensor([[1, 2, 3]]), "attention_mask": torch.ones(1, 3, dtype=torch.long),
            "labels": torch.tensor([0])}
     kw = dict(n_labels=2, steps=1, batch_size=1, lr=1e-3, j_lr=1e-2, key={"task": "t"})

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from lib import dpo, hooks, metrics, models, paths
+from lib import dpo, hooks, metrics, models, paths, store
 
 
 @pytest.fixture(autouse=True)
@@ -718,9 +718,9 @@ def test_setup_references_are_the_shared_cached_evaluations(llama, monkeypatch):
     a = dpo.setup("smollm2-135m", "cpu", 0, {"max_new_tokens": 3}, n_prompts=2, n_wiki=2, scorer="profanity-check",
                   direction=None).load(progress=False)
     ev_base, ev_dpo = a.references()
-    entries = sorted(paths.CACHE.rglob("evaluation-*"))
-    assert len(entries) == 2  # one per model
+    entries = sorted(store.root().rglob("toxicity-perplexity-f1/*.json*"))
+    assert len(entries) == 1  # the stand-in 'DPO model' is the base model itself: one record serves both
     explicit = dict(n_prompts=2, n_wiki=2, max_new_tokens=3, scorer="profanity-check", progress=False, details=True)
     ref = dpo_neurons.reference_evaluations("smollm2-135m", llama, llama, a.dpo_key, dpo.toxicity_perplexity_f1, **explicit)
-    assert sorted(paths.CACHE.rglob("evaluation-*")) == entries  # the explicit call of 03, 05 and 06 hits the same entries
+    assert sorted(store.root().rglob("toxicity-perplexity-f1/*.json*")) == entries  # the explicit call reads the same record
     assert ref["base"]["continuations"] == ev_base["continuations"] and len(ev_dpo["toxicities"]) == 2

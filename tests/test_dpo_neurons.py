@@ -194,14 +194,24 @@ def test_generation_stats_and_cached_pair_stats(pair, tmp_path, monkeypatch):
     out = dn.pair_stats("tiny", base, tuned, {"steps": 1}, prompts, max_new_tokens=4, k=3, batch_size=2, progress=False)
     torch.testing.assert_close(out["base"], stats.mean, atol=1e-5, rtol=1e-4)
     assert out["tuned"].shape == stats.mean.shape and not torch.allclose(out["tuned"], out["base"])
-    assert len(list(tmp_path.rglob("neuron-stats-*.pt"))) == 1
+    assert len(list((tmp_path / "store").rglob("neuron-stats/*.json*"))) == 1  # one record (lib.store)
     again = dn.pair_stats("tiny", base, tuned, {"steps": 1}, prompts, max_new_tokens=4, k=3, batch_size=2, progress=False)
     assert torch.equal(again["tuned"], out["tuned"])
+    # the per-prompt means are not in the record: computed again from its continuations, they average to its means
+    weights = torch.tensor([min(3, hooks.encode(base, [t])["input_ids"].shape[1]) for t in gen.full_texts], dtype=torch.float32)
+    per = again["base_per_prompt"]
+    assert per.shape == (len(prompts), *stats.mean.shape)
+    torch.testing.assert_close((per * weights[:, None, None]).sum(0) / weights.sum(), again["base"], atol=1e-5, rtol=1e-4)
+    same = dn.pair_stats("tiny", base, tuned, {"steps": 1}, prompts, max_new_tokens=4, k=3, batch_size=2, progress=False,
+                         texts="base")
+    assert torch.equal(same["base"], out["base"]) and same["tuned_continuations"] == out["base_continuations"]
+    assert same["tuned_per_prompt"].shape == per.shape
 
 
-def test_reference_evaluations_are_cached(pair, tmp_path, monkeypatch):
+def test_reference_evaluations_evaluate_both_models(pair):
+    """reference_evaluations passes its keywords to ``evaluate`` for each model; the records are the evaluation's
+    own (lib.dpo.toxicity_perplexity_f1 reads and writes the store: tests/test_cache.py)."""
     base, tuned = pair
-    monkeypatch.setattr(cache.paths, "CACHE", tmp_path)
     calls = []
 
     def evaluate(lm, n=1, scorer="auto", progress=True):
@@ -209,12 +219,7 @@ def test_reference_evaluations_are_cached(pair, tmp_path, monkeypatch):
         return {"which": "base" if lm is base else "tuned", "n": n}
 
     first = dn.reference_evaluations("tiny", base, tuned, {"steps": 1}, evaluate, n=2, scorer="profanity-check")
-    assert first == {"base": {"which": "base", "n": 2}, "tuned": {"which": "tuned", "n": 2}} and len(calls) == 2
-    again = dn.reference_evaluations("tiny", base, tuned, {"steps": 1}, evaluate, n=2, scorer="profanity-check",
-                                     progress=False)
-    assert again == first and len(calls) == 2
-    dn.reference_evaluations("tiny", base, tuned, {"steps": 2}, evaluate, n=2, scorer="profanity-check")
-    assert len(calls) == 3  # a different tuned model: only its evaluation is redone
+    assert first == {"base": {"which": "base", "n": 2}, "tuned": {"which": "tuned", "n": 2}} and calls == [base, tuned]
 
 
 def test_reference_evaluations_key_a_users_prompts_even_without_declared_inputs(pair, tmp_path, monkeypatch):
@@ -251,7 +256,7 @@ def test_same_text_pair_stats(pair, tmp_path, monkeypatch):
     assert same["tuned_per_prompt"].shape == (len(prompts), *own["base"].shape)
     torch.testing.assert_close(same["tuned"][0], same["base"][0], atol=1e-5, rtol=1e-4)  # W_out changed, not layer 0's input
     assert not torch.allclose(same["tuned"][1:], same["base"][1:], atol=1e-4)  # later layers read a changed stream
-    assert len(list(tmp_path.rglob("neuron-stats-*.pt"))) == 2  # the own-text entry and the same-text one
+    assert len(list((tmp_path / "store").rglob("neuron-stats/*.json*"))) == 2  # the own-text record and the same-text one
     twin = copy.copy(base)
     twin.model = copy.deepcopy(base.model)
     zero = dn.pair_stats("tiny", base, twin, {"steps": 0}, prompts, texts="base", **kw)

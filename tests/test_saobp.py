@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from lib import hooks, metrics, models, repro, saobp, scratch
+from lib import hooks, metrics, models, repro, saobp, scratch, store
 
 PAD_TEXTS = ["the cat sat on the mat today", "a b", "hello there my friend"]
 
@@ -378,8 +378,9 @@ def test_scratch_runs_in_worker_processes_give_the_same_runs(tmp_path, monkeypat
             (cache_dir / "models").symlink_to(models_dir, target_is_directory=True)
         monkeypatch.setenv("COMPENDIUM_CACHE", str(cache_dir))  # the workers read it at import
         monkeypatch.setattr(paths, "CACHE", cache_dir)
+        monkeypatch.setenv(store.STORE_ENV, str(tmp_path / f"store{workers}"))  # each way its own records
         out[workers] = scratch.scratch_runs(configs, workers=workers)
-        assert all(scratch.scratch_run(**c, where=True).exists() for c in configs)
+        assert all(scratch.scratch_run(**c, where=True) for c in configs)  # every run's record written
     for a, b in zip(out[2], out[1]):
         assert a["losses"] == b["losses"] and a["metrics"] == b["metrics"]
         pd.testing.assert_frame_equal(a["table"], b["table"])

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -477,6 +478,11 @@ def scratch_runs(configs: Sequence[dict], workers: int | None = None, progress: 
     if n > 1 and len(todo) > 1:
         for name in sorted({c.get("decoder", "smollm2-135m") if c["task"] == "LM" else c.get("encoder", "minilm-l6") for c in todo}):
             models.prepare_embedded(name)  # once, here, rather than by every worker at the same time
+        from lib import params
+
+        run = params.current()
+        if run is not None:  # the workers' records name the notebook they were measured for (their provenance)
+            os.environ[store.NOTEBOOK_ENV] = run.notebook
         with cf.ProcessPoolExecutor(min(n, len(todo)), mp_context=mp.get_context("spawn")) as ex:
             futures = [ex.submit(_build_in_worker, c) for c in todo]
             for f in repro.bar(cf.as_completed(futures), total=len(futures), desc=desc, progress=progress):

@@ -55,6 +55,7 @@ MODES = ("use", "strict", "fresh")
 AUDIT_PLAN_ENV = "COMPENDIUM_AUDIT_PLAN"
 AUDIT_LOG_ENV = "COMPENDIUM_AUDIT_LOG"
 STORE_ENV = "COMPENDIUM_STORE"  # another root than results/ (tests)
+NOTEBOOK_ENV = "COMPENDIUM_NOTEBOOK"  # the notebook a worker process measures for (lib.scratch.scratch_runs sets it)
 FOLDER = "measurements"
 GZIP_ABOVE = 32_768  # bytes of JSON above which a record is gzipped (small ones stay plain, diffable text)
 LIST_ABOVE = 64  # numeric arrays longer than this are stored as base64 of their bytes (exact, compact)
@@ -316,10 +317,11 @@ def provenance(wall_s: float, device: str | None = None) -> dict:
 
         threads = torch.get_num_threads()
     run = params.current()
+    notebook = run.notebook if run is not None else os.environ.get(NOTEBOOK_ENV) or None
     return {"commit": commit or "unknown", "packages": versions, "python": platform.python_version(),
             "device": device or "cpu", "cpu": cpu_model(), "threads": threads, "wall_s": round(float(wall_s), 2),
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "notebook": run.notebook if run is not None else None}
+            "notebook": notebook}
 
 
 # ----------------------------------------------------------------------------- reading and writing

@@ -603,7 +603,7 @@ def run_tests(jobs: list[str], workers: int | None = None, log_dir: Path | None 
             log.close()
     wall = time.perf_counter() - t_all
     busy = sum(t for _, t in done.values())
-    if plan_doc is not None:
+    if plan_doc is not None and plan_doc["records"]:  # nothing committed to audit: no audit job
         ok, text = store.audit_report(plan_doc, log_dir / "audit.jsonl")
         atomic_write_text(log_dir / "audit.log", text + "\n")
         print(text, flush=True)

@@ -354,8 +354,11 @@ def write(model_name: str, step_name: str, key: str, params: dict, version: int,
     if len(text.encode()) > GZIP_ABOVE:
         base.mkdir(parents=True, exist_ok=True)
         tmp = base / f".{key}.{os.getpid()}.tmp"
-        tmp.write_bytes(gzip.compress(text.encode("utf-8"), mtime=0))
-        os.replace(tmp, gz)
+        try:
+            tmp.write_bytes(gzip.compress(text.encode("utf-8"), mtime=0))
+            os.replace(tmp, gz)
+        finally:
+            tmp.unlink(missing_ok=True)
         plain.unlink(missing_ok=True)
         return gz
     atomic_write_text(plain, text)
@@ -449,8 +452,18 @@ def _audit_plan() -> set[str]:
     return set(json.loads(Path(p).read_text())["records"])
 
 
+def _audited() -> set[str]:
+    """Records the audit log already holds (another notebook of the same run read them first)."""
+    log = os.environ.get(AUDIT_LOG_ENV, "").strip()
+    if not log or not Path(log).exists():
+        return set()
+    return {json.loads(line)["record"] for line in Path(log).read_text().splitlines() if line.strip()}
+
+
 def _planned(path: Path) -> bool:
-    return record_id(path) in _audit_plan()
+    """A record of the audit's plan that no notebook of this run has recomputed yet."""
+    rid = record_id(path)
+    return rid in _audit_plan() and rid not in _audited()
 
 
 def _audit(path: Path, st: Step, committed: Any, build: Callable[[], Any], to_record: Callable) -> None:
@@ -549,7 +562,12 @@ def audit_report(plan_doc: dict, log_path: Path) -> tuple[bool, str]:
     entries = []
     if Path(log_path).exists():
         entries = [json.loads(line) for line in Path(log_path).read_text().splitlines() if line.strip()]
-    seen = {e["record"]: e for e in entries}
+    seen: dict[str, dict] = {}
+    for e in entries:  # a record two notebooks recomputed at once: both comparisons count
+        first = seen.setdefault(e["record"], e)
+        if first is not e:
+            first["ok"] = first["ok"] and e["ok"]
+            first["checks"] = first["checks"] + [c for c in e["checks"] if not (c["ok"] or c["info"])]
     lines, ok = [], True
     for rec in plan_doc["records"]:
         e = seen.get(rec)

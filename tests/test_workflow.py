@@ -514,6 +514,34 @@ def test_run_tests_order_workers_threads_and_failures(tmp_path, monkeypatch, cap
         runner.run_tests(["01"], workers=0)
 
 
+def test_make_test_reads_records_strictly_and_audits_a_sample(tmp_path, monkeypatch):
+    """make test's notebook jobs run with COMPENDIUM_RECORDS=strict: a job that needs a record the repository lacks
+    fails, naming the record and the command that builds it; a committed record in the audit's plan is measured
+    again inside the job that reads it, and the 'audit' job reports the comparison (and fails beyond tolerance)."""
+    from lib import store
+
+    monkeypatch.setenv("COMPENDIUM_THREADS", "2")
+    script = ("import sys; from lib import store\n"
+              "store.step('toy', 1, 'a test step', lambda c, f: [store.within('v', c['v'], f['v'], 0.1, 'stated')])\n"
+              "j, fresh = sys.argv[1], float(sys.argv[2])\n"
+              "print(store.measure('toy', 'm', {'job': j}, lambda: {'v': fresh}))\n")
+    store.step("toy", 1, "a test step")
+    monkeypatch.setenv(store.NOTEBOOK_ENV, "01_toy")
+    store.measure("toy", "m", {"job": "01"}, lambda: {"v": 1.0})  # committed, measured by notebook 01
+    monkeypatch.delenv(store.NOTEBOOK_ENV)
+    for fresh, audit_rc in ((1.05, 0), (2.0, 1)):
+        logs = tmp_path / f"logs-{fresh}"
+        done = runner.run_tests(["01", "02"], workers=2, log_dir=logs,
+                                command=lambda j: [sys.executable, "-c", script, j, str(fresh)])
+        assert done["02"][0] != 0 and done["01"][0] == audit_rc and done["audit"][0] == audit_rc
+        log02 = (logs / "02.log").read_text()
+        assert "MissingRecord: missing record" in log02 and "make reproduce" in log02  # nothing computed
+        assert "{'v': 1.0}" in (logs / "01.log").read_text() or audit_rc  # the committed value, not the recomputed one
+        report = (logs / "audit.log").read_text()
+        assert ("all within tolerance" in report) == (audit_rc == 0) and "m/measurements/toy/" in report
+    assert len(list(store.root().glob("m/measurements/toy/*.json*"))) == 1  # strict mode wrote nothing
+
+
 def test_run_tests_gives_a_lone_job_every_thread(tmp_path, monkeypatch):
     """A job that starts with nothing running or ready beside it (a chain: 12 waits for 11; 01, which 02
     and 03 wait for) gets all COMPENDIUM_THREADS; jobs that start together get COMPENDIUM_THREADS // workers each."""

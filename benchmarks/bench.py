@@ -3,7 +3,7 @@
 
     python benchmarks/bench.py                      # all five items, writes benchmarks/RESULTS.md
     python benchmarks/bench.py --device cuda        # the same on a GPU (adds nothing else; --dtype bfloat16 for bf16)
-    python benchmarks/bench.py --run-notebooks      # first re-run the whole compendium (python -m lib.runner all)
+    python benchmarks/bench.py time "make test" -- make test   # time one of the compendium's commands (item 5)
 
 Items (one run, same inputs):
 
@@ -16,8 +16,10 @@ Items (one run, same inputs):
    tokens per second.
 4. Scaling of pass 1 with the number of prompts: time per prompt and extra peak memory (fresh
    subprocess per size).
-5. Per-notebook wall time and peak memory of the default compendium, read from the runner's
-   records ``results/<model>/timings/*.json``.
+5. The compendium's own commands, each timed as a whole on this machine by ``bench.py time LABEL -- COMMAND``
+   (kept in ``benchmarks/compendium_runs.json``, the last run of each label): ``make reproduce`` from the
+   committed measurement records, a rebuild of the default records from scratch, ``make test`` with its
+   audit.
 
 Timing: the compared methods are interleaved batch by batch (order rotated each batch) so that
 load from other processes hits them alike; one warm-up batch per method first; ratios are medians
@@ -53,8 +55,11 @@ TARGETS = {
     2: "lib no slower than TransformerLens; lib extra memory <= 1/4 of TransformerLens'",
     3: "batched / per-prompt loop >= 10x tokens per second",
     4: "time per prompt flat (linear time); extra memory flat",
-    5: "whole default compendium <= 30 min on 2 cores; CI <= 45 min",
+    5: "make reproduce from committed records <= 10 min on 2 cores; make test with its audit <= 20 min",
 }
+COMPENDIUM_RUNS = ROOT / "benchmarks" / "compendium_runs.json"  # item 5: one timed run per label (the last)
+# item 5's targets, by label (seconds); a label without one is reported, not decided
+RUN_TARGETS = {"make reproduce (committed records)": 600, "make test (with the audit)": 1200}
 LINEAR_TOL = 1.25  # item 4: largest / smallest time per prompt (and extra memory) still counted as flat
 FLAT_MEM_SLACK_MIB = 64.0  # item 4: memory differences below this are noise of the allocator
 MARK = "BENCH_JSON "
@@ -388,30 +393,29 @@ def run_worker(args, method: str, n: int, passes: int, log) -> dict:
 # ----------------------------------------------------------------------------- item 5
 
 
-def notebook_timings(results_dir: Path | None = None, notebooks: Sequence[Path] | None = None) -> tuple[list[dict], list[str]]:
-    """The runner's records for each numbered notebook run on its own default model:
-    (records in notebook order, names of notebooks without a record)."""
-    import logging
+def time_command(label: str, command: Sequence[str], note: str = "", runs: Path = COMPENDIUM_RUNS) -> dict:
+    """Run ``command`` in the repository, time it as a whole and keep the run under ``label`` in ``runs``
+    (replacing that label's earlier run): seconds, exit code, CPU, cores, date, the command and ``note``."""
+    t0 = time.perf_counter()
+    rc = subprocess.run(list(command), cwd=ROOT).returncode
+    rec = {"label": label, "command": " ".join(command), "seconds": round(time.perf_counter() - t0, 1), "exit_code": rc,
+           "cpu": cpu_model(), "cores": os.cpu_count(), "date": dt.datetime.now().strftime("%Y-%m-%d %H:%M"), "note": note}
+    return keep_run(rec, runs)
 
-    from lib import paths, runner
 
-    logging.getLogger("papermill").setLevel(logging.ERROR)  # its notes on type-annotated parameters
-    results_dir = Path(results_dir) if results_dir is not None else paths.RESULTS
-    notebooks = runner.numbered_notebooks() if notebooks is None else notebooks
-    rows, missing = [], []
-    for nb in notebooks:
-        try:
-            model = runner.default_model(nb)
-        except Exception:  # no parameters cell: look for a record under any model
-            model = None
-        cands = ([results_dir / paths.slug(model) / "timings" / f"{nb.stem}.json"] if model else []) + \
-            sorted(results_dir.glob(f"*/timings/{nb.stem}.json"))
-        hit = next((c for c in cands if c.exists()), None)
-        if hit is None:
-            missing.append(nb.stem)
-            continue
-        rows.append(json.loads(hit.read_text()))
-    return rows, missing
+def keep_run(rec: dict, runs: Path = COMPENDIUM_RUNS) -> dict:
+    """Add one timed run to ``runs`` (a JSON list), replacing the earlier run of its label."""
+    for k in ("label", "command", "seconds", "exit_code", "cpu", "cores", "date"):
+        if k not in rec:
+            raise ValueError(f"a timed run needs {k!r}")
+    old = json.loads(runs.read_text()) if runs.exists() else []
+    new = [r for r in old if r["label"] != rec["label"]] + [rec]
+    runs.write_text(json.dumps(new, indent=1) + "\n")
+    return rec
+
+
+def compendium_runs(runs: Path = COMPENDIUM_RUNS) -> list[dict]:
+    return json.loads(runs.read_text()) if runs.exists() else []
 
 
 # ----------------------------------------------------------------------------- the run
@@ -436,11 +440,6 @@ def run_all(args) -> dict:
         res["machine"]["gpu"] = torch.cuda.get_device_name(0)
     items = set(args.items)
     t_start = time.perf_counter()
-
-    if args.run_notebooks and 5 in items:
-        log("running the whole compendium: python -m lib.runner all")
-        subprocess.run([sys.executable, "-m", "lib.runner", "all"] + (["--device", args.device] if args.device != "auto" else []),
-                       cwd=ROOT, check=True)
 
     if items & {1, 2, 3}:
         loaded = load_model(args)
@@ -555,8 +554,7 @@ def run_all(args) -> dict:
         res["items"]["memory"] = mem
 
     if 5 in items:
-        rows, missing = notebook_timings()
-        res["items"]["5"] = {"rows": rows, "missing": missing}
+        res["items"]["5"] = {"runs": compendium_runs()}
 
     res["machine"]["load_end"] = load_avg()
     res["machine"]["bench_seconds"] = round(time.perf_counter() - t_start, 1)
@@ -713,31 +711,7 @@ def report(res: dict, command: str) -> str:
         summary.append((4, f"time/prompt spread {max(per) / min(per):.2f}x, memory {min(ex):.0f}-{max(ex):.0f} MiB", lin and flat))
     r5 = items.get("5")
     if r5 is not None:
-        L += ["## 5. The default compendium, per notebook (runner records)", "",
-              "Read from `results/<model>/timings/*.json`, written by `python -m lib.runner run|all` "
-              "(`make reproduce`); each notebook on its own default model"
-              + (f" (re-read {r5['refreshed']})." if r5.get("refreshed") else "."), ""]
-        rows = r5["rows"]
-        if rows:
-            L += ["| notebook | model | wall time | peak RSS | exit | finished |", "|---|---|---|---|---|---|"]
-            for r in rows:
-                L.append(f"| {r['notebook']} | {r['model']} | {fmt_s(r['seconds'])} | {r['peak_rss_mib']:.0f} MiB | "
-                         f"{r['exit_code']} | {r.get('finished', '')} |")
-            tot = sum(r["seconds"] for r in rows)
-            L += [f"| **total** | | **{tot / 60:.1f} min** | max {max(r['peak_rss_mib'] for r in rows):.0f} MiB | | |", ""]
-            complete = not r5["missing"]
-            ok30 = tot <= 1800 if complete else (False if tot > 1800 else None)
-            ok45 = tot <= 2700 if complete else (False if tot > 2700 else None)
-            L += [f"Whole compendium {tot / 60:.1f} min (target <= 30 min on 2 cores): {verdict(ok30)}. CI (`.ci/run`) installs "
-                  f"everything, runs the lib tests, then every notebook once under nbval from an empty cache: "
-                  f"notebook part {tot / 60:.1f} min of the 45 min target: {verdict(ok45)}."
-                  " The runner does not record the load under which each notebook ran.", ""]
-            summary.append((5, f"total {tot / 60:.1f} min over {len(rows)} notebooks", ok30))
-        if r5["missing"]:
-            L += ["Notebooks with no timing record yet (run `python -m lib.runner all` or `make bench ARGS=--run-notebooks`): "
-                  + ", ".join(f"`{x}`" for x in r5["missing"]) + ".", ""]
-        if not rows:
-            summary.append((5, "no timing records", None))
+        L += render_runs(r5.get("runs", []), summary)
     th = items.get("threads")
     if th:
         L += ["## Thread setting", "",
@@ -757,12 +731,39 @@ def report(res: dict, command: str) -> str:
     return "\n".join(L[:cut] + head + [""] + L[cut:]).rstrip() + "\n"
 
 
+def render_runs(runs: list[dict], summary: list) -> list[str]:
+    """Item 5's section: one row per timed command (its machine and date), and the targets' verdicts."""
+    L = ["## 5. The compendium's commands", "",
+         "Each command timed as a whole on the machine named, with `python benchmarks/bench.py time LABEL -- COMMAND` "
+         "(`benchmarks/compendium_runs.json`; the last run of each label). Targets: " + TARGETS[5] + ".", ""]
+    if not runs:
+        summary.append((5, "no timed run yet", None))
+        return L + ["No command has been timed yet.", ""]
+    L += ["| command | what | time | exit | machine | date | target |", "|---|---|---|---|---|---|---|"]
+    decided = []
+    for r in runs:
+        target = RUN_TARGETS.get(r["label"])
+        ok = None if target is None else (r["exit_code"] == 0 and r["seconds"] <= target)
+        if target is not None:
+            decided.append(ok)
+        L.append(f"| `{r['command']}` | {r['label']}{'; ' + r['note'] if r.get('note') else ''} | {r['seconds'] / 60:.1f} min | "
+                 f"{r['exit_code']} | {r['cpu']}, {r['cores']} cores | {r['date']} | "
+                 f"{'<= %.0f min: %s' % (target / 60, verdict(ok)) if target is not None else 'reported'} |")
+    L.append("")
+    summary.append((5, "; ".join(f"{r['label']} {r['seconds'] / 60:.1f} min" for r in runs),
+                    None if not decided else all(decided)))
+    return L
+
+
 # ----------------------------------------------------------------------------- CLI
 
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("cmd", nargs="?", default="run", choices=["run", "worker", "report"])
+    ap.add_argument("cmd", nargs="?", default="run", choices=["run", "worker", "report", "time"])
+    ap.add_argument("label", nargs="?", default=None, help="with 'time': the run's label (item 5)")
+    ap.add_argument("command", nargs="*", default=[], help="with 'time': the command to time, after --")
+    ap.add_argument("--note", default="", help="with 'time': a note kept with the run")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, auto")
     ap.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
@@ -787,9 +788,8 @@ def parse(argv=None):
                     help="skip the comparison of torch thread counts")
     ap.add_argument("--thread-options", default="1,2", help="thread counts compared by the thread check")
     ap.add_argument("--thread-reps", type=int, default=3)
-    ap.add_argument("--run-notebooks", action="store_true", help="re-run the whole compendium first (slow)")
-    ap.add_argument("--refresh-notebooks", action="store_true",
-                    help="with 'report': re-read item 5's timing records instead of those stored in the raw results")
+    ap.add_argument("--refresh-runs", action="store_true",
+                    help="with 'report': re-read item 5's timed commands instead of those stored in the raw results")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     ap.add_argument("--json", default=None, help="raw results (default: next to --out, .json)")
     # worker
@@ -819,15 +819,20 @@ def main(argv=None):
     if args.cmd == "worker":
         print(MARK + json.dumps(worker(args)), flush=True)
         return
+    if args.cmd == "time":
+        if not args.label or not args.command:
+            raise SystemExit("usage: bench.py time LABEL [--note TEXT] -- COMMAND ...")
+        rec = time_command(args.label, args.command, args.note)
+        print(json.dumps(rec))
+        raise SystemExit(rec["exit_code"])
     out = Path(args.out)
     raw = Path(args.json) if args.json else out.with_suffix(".json")
     command = "python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.cmd == "report":  # re-render the markdown from the raw results
         res = json.loads(raw.read_text())
         command = res.get("command", command)
-        if args.refresh_notebooks:  # item 5 from the records as they are now
-            rows, missing = notebook_timings()
-            res["items"]["5"] = {"rows": rows, "missing": missing, "refreshed": dt.datetime.now().strftime("%Y-%m-%d %H:%M")}
+        if args.refresh_runs:  # item 5 from the timed commands as they are now
+            res["items"]["5"] = {"runs": compendium_runs()}
             raw.write_text(json.dumps(res, indent=1) + "\n")
     else:
         res = run_all(args)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
-import nbformat
 import pytest
 import torch
 
@@ -93,23 +91,17 @@ def test_loop_generate_matches_batched_generation_greedy():
     assert loop == batched.new_ids
 
 
-def _notebook(path: Path, model: str):
-    nb = nbformat.v4.new_notebook()
-    cell = nbformat.v4.new_code_cell(f'model_name = "{model}"')
-    cell.metadata["tags"] = ["parameters"]
-    nb.cells = [cell]
-    nbformat.write(nb, path)
-
-
-def test_notebook_timings_reads_records_and_names_the_missing(tmp_path):
-    nbs = [tmp_path / "01_a.ipynb", tmp_path / "02_b.ipynb"]
-    for p in nbs:
-        _notebook(p, "tiny-model")
-    rec = {"notebook": "01_a", "model": "tiny-model", "seconds": 12.5, "peak_rss_mib": 900.0, "exit_code": 0}
-    (tmp_path / "res" / "tiny-model" / "timings").mkdir(parents=True)
-    (tmp_path / "res" / "tiny-model" / "timings" / "01_a.json").write_text(json.dumps(rec))
-    rows, missing = bench.notebook_timings(tmp_path / "res", nbs)
-    assert rows == [rec] and missing == ["02_b"]
+def test_timed_commands_keep_the_last_run_of_each_label(tmp_path):
+    """Item 5: ``bench.py time`` runs a command, keeps its wall time, exit code and machine, one run per label."""
+    runs = tmp_path / "runs.json"
+    a = bench.time_command("ok", ["true"], runs=runs)
+    b = bench.time_command("fails", ["false"], note="a note", runs=runs)
+    assert a["exit_code"] == 0 and b["exit_code"] == 1 and b["note"] == "a note" and a["seconds"] >= 0
+    bench.time_command("ok", ["true"], note="again", runs=runs)
+    kept = bench.compendium_runs(runs)
+    assert [r["label"] for r in kept] == ["fails", "ok"] and kept[1]["note"] == "again"
+    with pytest.raises(ValueError, match="needs 'seconds'"):
+        bench.keep_run({"label": "x", "command": "y"}, runs)
 
 
 def _fake_results(lib_over_bare, lib_extra, tl_extra, speedup, per_prompt, mems, seconds):
@@ -131,8 +123,8 @@ def _fake_results(lib_over_bare, lib_extra, tl_extra, speedup, per_prompt, mems,
                         "tok_per_s": {"batched": 10.0, "loop": 10.0 / speedup}, "speedup_paired": [speedup] * 2,
                         "identical_continuations": 4, "n_prompts": 4},
                   "memory": mem,
-                  "5": {"rows": [{"notebook": "01_a", "model": "m", "seconds": seconds, "peak_rss_mib": 800.0,
-                                  "exit_code": 0}], "missing": []}}}
+                  "5": {"runs": [{"label": label, "command": "make", "seconds": seconds, "exit_code": 0, "cpu": "cpu",
+                                  "cores": 2, "date": "d"} for label in bench.RUN_TARGETS]}}}
 
 
 def _verdicts(md: str) -> list[str]:

@@ -760,10 +760,8 @@ def render_runs(runs: list[dict], summary: list) -> list[str]:
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("cmd", nargs="?", default="run", choices=["run", "worker", "report", "time"])
-    ap.add_argument("label", nargs="?", default=None, help="with 'time': the run's label (item 5)")
-    ap.add_argument("command", nargs="*", default=[], help="with 'time': the command to time, after --")
-    ap.add_argument("--note", default="", help="with 'time': a note kept with the run")
+    ap.add_argument("cmd", nargs="?", default="run", choices=["run", "worker", "report"],
+                    help="also: time LABEL [--note TEXT] -- COMMAND ... (item 5: time one of the compendium's commands)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, auto")
     ap.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
@@ -814,20 +812,33 @@ def parse(argv=None):
     return args
 
 
+def time_main(argv: list[str]) -> None:
+    """``bench.py time LABEL [--note TEXT] -- COMMAND ...``: time one command for item 5."""
+    if "--" not in argv:
+        raise SystemExit("usage: bench.py time LABEL [--note TEXT] -- COMMAND ...")
+    head, command = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    ap = argparse.ArgumentParser(prog="bench.py time")
+    ap.add_argument("label")
+    ap.add_argument("--note", default="")
+    a = ap.parse_args(head)
+    if not command:
+        raise SystemExit("usage: bench.py time LABEL [--note TEXT] -- COMMAND ...")
+    rec = time_command(a.label, command, a.note)
+    print(json.dumps(rec))
+    raise SystemExit(rec["exit_code"])
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["time"]:
+        time_main(argv[1:])
     args = parse(argv)
     if args.cmd == "worker":
         print(MARK + json.dumps(worker(args)), flush=True)
         return
-    if args.cmd == "time":
-        if not args.label or not args.command:
-            raise SystemExit("usage: bench.py time LABEL [--note TEXT] -- COMMAND ...")
-        rec = time_command(args.label, args.command, args.note)
-        print(json.dumps(rec))
-        raise SystemExit(rec["exit_code"])
     out = Path(args.out)
     raw = Path(args.json) if args.json else out.with_suffix(".json")
-    command = "python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python benchmarks/bench.py " + " ".join(argv)
     if args.cmd == "report":  # re-render the markdown from the raw results
         res = json.loads(raw.read_text())
         command = res.get("command", command)

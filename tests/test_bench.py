@@ -102,6 +102,8 @@ def test_timed_commands_keep_the_last_run_of_each_label(tmp_path):
     assert [r["label"] for r in kept] == ["fails", "ok"] and kept[1]["note"] == "again"
     with pytest.raises(ValueError, match="needs 'seconds'"):
         bench.keep_run({"label": "x", "command": "y"}, runs)
+    with pytest.raises(SystemExit, match="usage: bench.py time"):
+        bench.main(["time", "a label", "true"])  # no '--' before the command
 
 
 def _fake_results(lib_over_bare, lib_extra, tl_extra, speedup, per_prompt, mems, seconds):

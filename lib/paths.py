@@ -13,6 +13,15 @@ RESULTS = ROOT / "results"
 PARAMS = ROOT / "params"
 # Expensive artifacts (converted models, probes, DPO checkpoints, activation statistics).
 CACHE = Path(os.environ.get("COMPENDIUM_CACHE", ROOT / ".cache")).resolve()
+# Set by make test (and the test suite): the figures and per-notebook ledger records a run writes go under this
+# folder (figures/<model>/, results/<model>/) instead of the repository's, so testing changes no tracked file.
+OUTPUTS_ENV = "COMPENDIUM_OUTPUTS"
+
+
+def outputs_dir() -> Path | None:
+    """The folder of COMPENDIUM_OUTPUTS, or None when a run writes into the repository (the published outputs)."""
+    raw = os.environ.get(OUTPUTS_ENV, "").strip()
+    return Path(raw) if raw else None
 
 
 def slug(name: str) -> str:

@@ -31,7 +31,10 @@ def save(fig, model_name: str, name: str) -> Path:
     if not name or "/" in name:
         raise ValueError(f"figure name must be a plain file stem, got {name!r}")
     run = params.current()
-    if run is not None and paths.slug(run.model_name) == paths.slug(model_name):
+    if paths.outputs_dir() is not None:  # a test run: never the repository's figures
+        folder = paths.outputs_dir() / "figures" / paths.slug(model_name)
+        folder.mkdir(parents=True, exist_ok=True)
+    elif run is not None and paths.slug(run.model_name) == paths.slug(model_name):
         folder = run.figures_dir()
     else:
         folder = paths.figures_dir(model_name)

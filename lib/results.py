@@ -56,7 +56,11 @@ def _run_for(model_name: str, notebook: str):
 def record_dir(model_name: str, notebook: str) -> Path:
     """Where ``notebook``'s records for ``model_name`` go: the published folder, or the run's own."""
     run = _run_for(model_name, notebook)
-    d = run.results_dir() if run is not None else paths.results_dir(model_name)
+    if paths.outputs_dir() is not None:  # a test run (COMPENDIUM_OUTPUTS): its records never feed the ledgers
+        d = paths.outputs_dir() / "results" / paths.slug(model_name)
+        d = d / "runs" / run.key if run is not None and not run.published else d
+    else:
+        d = run.results_dir() if run is not None else paths.results_dir(model_name)
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -83,7 +87,7 @@ def record(model_name: str, notebook: str, verdict: Verdict, ours: str = "", num
                                    "recorded": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                                    "execution": _EXECUTION}))
     atomic_write_text(path, json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
-    if folder != paths.results_dir(model_name):  # a run folder keeps its own ledger up to date
+    if folder != paths.RESULTS / paths.slug(model_name):  # a run (or test) folder keeps its own ledger up to date
         _write_ledger(folder, model_name, _fresh_rows(folder))
     return path
 

@@ -6,7 +6,8 @@
     python -m lib.runner merge            # results/claims.md: every model's verdicts side by side
     python -m lib.runner recover          # after a killed run: stale Snakemake lock, leftover .partial files
     python -m lib.runner stability --notebooks 00   # key-number cells at 1 and 2 threads (make test-stability)
-    python -m lib.runner test             # make test: pytest on lib/ + nbval per notebook, 2 jobs at once
+    python -m lib.runner test             # make test: pytest on lib/ + nbval per notebook from the records, the audit
+    python -m lib.runner audit            # make audit: a seeded sample of the records measured again and compared
     python -m lib.runner kernel-config    # quiet the kernel's "TCP without encryption" warning (make setup)
 
 Executed copies go to results/<model>/<notebook>.ipynb, wall time and peak memory to
@@ -578,7 +579,7 @@ def run_tests(jobs: list[str], workers: int | None = None, log_dir: Path | None 
     log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="compendium-test-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **repro.quiet_env(), "COMPENDIUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1",
-           store.RECORDS_ENV: "strict"}
+           store.RECORDS_ENV: "strict", paths.OUTPUTS_ENV: str(log_dir / "outputs")}
     plan_doc = None
     notebooks = [j for j in jobs if j != "tests"]
     if audit_budget is not None and notebooks:

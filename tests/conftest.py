@@ -11,13 +11,15 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 import tempfile  # noqa: E402
 
-from lib import models, params, store  # noqa: E402
+from lib import models, params, paths, store  # noqa: E402
 
 # The measurement store of the tests: never the repository's results/, never make test's strict mode or audit
 # (module-scoped fixtures write here; each test gets an empty store of its own, see below)
 os.environ[store.STORE_ENV] = tempfile.mkdtemp(prefix="compendium-test-store-")
 for _var in (store.RECORDS_ENV, store.AUDIT_PLAN_ENV, store.AUDIT_LOG_ENV):
     os.environ.pop(_var, None)
+# Figures and ledger records of the notebooks the tests run (in kernels that inherit this) stay out of the tree
+os.environ[paths.OUTPUTS_ENV] = tempfile.mkdtemp(prefix="compendium-test-outputs-")
 
 
 @pytest.fixture(autouse=True)

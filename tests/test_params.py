@@ -43,6 +43,7 @@ def tiny(tmp_path, monkeypatch):
         (tmp_path / name.lower()).mkdir()
         monkeypatch.setattr(paths, name, tmp_path / name.lower())
     monkeypatch.setattr(paths, "ROOT", tmp_path)
+    monkeypatch.delenv(paths.OUTPUTS_ENV, raising=False)  # the published and run folders of this scratch project
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     for stem in ("11_tiny", "08_tiny"):

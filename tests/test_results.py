@@ -11,6 +11,7 @@ def tmp_project(tmp_path, monkeypatch):
     monkeypatch.setattr(paths, "RESULTS", tmp_path / "results")
     monkeypatch.setattr(paths, "FIGURES", tmp_path / "figures")
     monkeypatch.setattr(paths, "CACHE", tmp_path / "cache")
+    monkeypatch.delenv(paths.OUTPUTS_ENV, raising=False)  # these tests write the published folders (of tmp_path)
     return tmp_path
 
 

@@ -195,6 +195,7 @@ def test_parameter_defaults_match_papermill(tmp_path):
 def tmp_results(tmp_path, monkeypatch):
     monkeypatch.setattr(paths, "RESULTS", tmp_path / "results")
     monkeypatch.setattr(paths, "NOTEBOOKS", tmp_path / "notebooks")
+    monkeypatch.delenv(paths.OUTPUTS_ENV, raising=False)  # these tests write the published folders (of tmp_path)
     return tmp_path
 
 
@@ -554,3 +555,48 @@ def test_run_tests_gives_a_lone_job_every_thread(tmp_path, monkeypatch):
     assert [threads(tmp_path / "fan", j) for j in ("01", "02", "03")] == ["2", "1", "1"]  # 02 beside 03
     runner.run_tests(["01", "11"], workers=2, log_dir=tmp_path / "pair", command=lambda j: [sys.executable, "-c", script])
     assert [threads(tmp_path / "pair", j) for j in ("01", "11")] == ["1", "1"]
+
+
+def test_clean_results_never_deletes_a_tracked_file():
+    """`make clean-results` removes what runs leave (executed notebooks, timings, per-notebook records, run
+    folders), never the committed ledgers or measurement records: no path its patterns match is, or holds, a
+    file git tracks."""
+    import glob
+    import subprocess as sp
+
+    make = (paths.ROOT / "Makefile").read_text()
+    line = next(ln for ln in make.splitlines() if ln.strip().startswith("rm -rf results"))
+    patterns = line.split()[2:]
+    assert patterns and all(p.startswith("results/") for p in patterns)
+    tracked = sp.run(["git", "ls-files", "results"], cwd=paths.ROOT, capture_output=True, text=True).stdout.split()
+    assert any("/measurements/" in t for t in tracked) and any(t.endswith("claims.json") for t in tracked)
+    hit = [t for p in patterns for m in glob.glob(str(paths.ROOT / p))
+           for t in tracked if (paths.ROOT / t) == Path(m) or Path(m) in (paths.ROOT / t).parents]
+    assert not hit, f"clean-results would delete tracked files: {hit[:5]}"
+    # and a pattern that would, is caught: the rule as it was
+    assert [t for m in glob.glob(str(paths.ROOT / "results/*/")) for t in tracked if Path(m) in (paths.ROOT / t).parents]
+
+
+def test_make_test_writes_figures_and_notebook_records_outside_the_tree(tmp_path, monkeypatch):
+    """run_tests gives every job COMPENDIUM_OUTPUTS (<logs>/outputs): a notebook's figures and ledger records go
+    there, so a test run changes no tracked figure and feeds no published ledger."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lib import plotting
+
+    monkeypatch.setenv("COMPENDIUM_THREADS", "2")
+    script = "import os; print('outputs', os.environ['COMPENDIUM_OUTPUTS'])"
+    runner.run_tests(["01"], workers=1, log_dir=tmp_path / "logs", command=lambda j: [sys.executable, "-c", script],
+                     audit_budget=None)
+    assert (tmp_path / "logs" / "01.log").read_text().split() == ["outputs", str(tmp_path / "logs" / "outputs")]
+    monkeypatch.setenv(paths.OUTPUTS_ENV, str(tmp_path / "out"))
+    monkeypatch.setattr(paths, "FIGURES", tmp_path / "figures")
+    monkeypatch.setattr(paths, "RESULTS", tmp_path / "results")
+    fig = plt.figure()
+    assert plotting.save(fig, "m", "01_demo") == tmp_path / "out" / "figures" / "m" / "01_demo.png"
+    plt.close(fig)
+    v = _verdict("a finding", 0.4)
+    assert results.record("m", "01_demo", v, "x") == tmp_path / "out" / "results" / "m" / "01_demo.json"
+    assert not (tmp_path / "figures").exists() and not (tmp_path / "results").exists()

@@ -1327,7 +1327,10 @@ def setup(model_name: str = "smollm2-135m", device: str = "auto", seed: int = 0,
 # What paper A measures, kept as committed records; the tolerances the audit allows when it recomputes one on
 # another machine, each in units of the measurement's own uncertainty (lib.store.half_width: the half-width of
 # the normal 95% interval of a mean over prompts, texts or tweets).
-AUDIT_FRACTION = 0.5  # a recomputed mean may move by at most this fraction of its committed interval's half-width
+# A recomputed mean may move by at most this fraction of its committed interval's half-width: greedy decoding on
+# another CPU changes some continuations (a near-tied token flips), which moves a mean by a few prompts' worth; a
+# move beyond the interval's own half-width is more than that noise.
+AUDIT_FRACTION = 1.0
 
 
 def _identical_share(a: Sequence[str], b: Sequence[str]) -> float:
@@ -1341,7 +1344,7 @@ def _mean_check(name: str, committed: Sequence[float], fresh: Sequence[float]) -
 
 
 def _compare_evaluation(c: dict, f: dict) -> list:
-    """An evaluation: mean toxicity (and F1) within half their interval; perplexity within 1% (a teacher-forced
+    """An evaluation: mean toxicity (and F1) within their interval's half-width; perplexity within 1% (a teacher-forced
     pass over fixed texts: only float noise moves it); the share of identical continuations, reported (the
     cross-CPU sensitivity of greedy decoding)."""
     checks = [_mean_check("toxicity", c["toxicities"], f["toxicities"])] if "toxicities" in c else \
@@ -1359,7 +1362,7 @@ def _compare_evaluation(c: dict, f: dict) -> list:
 
 
 def _compare_probe(c: dict, f: dict) -> list:
-    """The probe: held-out and Jigsaw accuracies within half their binomial interval; the direction's cosine with
+    """The probe: held-out and Jigsaw accuracies within their binomial interval's half-width; the direction's cosine with
     the committed one, reported."""
     out = []
     n_val = max(1, round(c["n_train"] / 9))  # the 10% validation split beside n_train
@@ -1374,7 +1377,7 @@ def _compare_probe(c: dict, f: dict) -> list:
 
 
 def _compare_pairs(c: dict, f: dict) -> list:
-    """Preference pairs: the mean toxicity gap (rejected - chosen) within half its interval; the share of identical
+    """Preference pairs: the mean toxicity gap (rejected - chosen) within its interval's half-width; the share of identical
     chosen texts, reported."""
     gc = (c["pairs"].tox_rejected - c["pairs"].tox_chosen).to_numpy()
     gf = (f["pairs"].tox_rejected - f["pairs"].tox_chosen).to_numpy()
@@ -1385,7 +1388,7 @@ def _compare_pairs(c: dict, f: dict) -> list:
 
 
 def _compare_gate(c: dict, f: dict) -> list:
-    """The direction gate: each candidate's steering effect within half its interval's half-width, and the same
+    """The direction gate: each candidate's steering effect within its interval's half-width, and the same
     candidates validated."""
     tc, tf = c["table"], f["table"]
     out = []

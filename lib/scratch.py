@@ -553,12 +553,12 @@ CURVE_TOLERANCE = 0.05  # a recomputed run's final training loss (and perplexity
 
 def _binomial_check(name: str, c: float, f: float, n: int) -> "store.Check":
     hw = 1.96 * np.sqrt(max(c * (1 - c), 1e-4) / max(n, 1))
-    return store.within(name, c, f, 0.5 * hw, f"0.5 x the binomial 95% half-width {hw:.3g} over {n} examples")
+    return store.within(name, c, f, hw, f"the binomial 95% half-width {hw:.3g} over {n} examples")
 
 
 def _compare_run(c: dict, f: dict) -> list:
     """A training run: its final loss (mean of the last 5 steps) within 5% of the committed one; accuracy within
-    half its binomial interval, perplexity within 5%; the learned J reported."""
+    its binomial interval's half-width, perplexity within 5%."""
     lc, lf = float(np.mean(c["losses"][-5:])), float(np.mean(f["losses"][-5:]))
     out = [store.within("final training loss", lc, lf, CURVE_TOLERANCE * abs(lc), f"{CURVE_TOLERANCE:.0%} of the committed value")]
     n = int(c["params"].get("n_eval") or 0) or 200

@@ -207,7 +207,8 @@ def train_probe(lm: Loaded, n_per_class: int = DEFAULTS["n_probe_per_class"], se
               "steer_depth": round(float(steer_depth), 6), "version": 4,
               "data": cache.content_hash([texts, labels, jig_texts, jig_labels])}  # edited tweets: a new probe
     params = {"model": lm.name, **params}
-    probe = store.measure("probe", store.owner(lm.name), params, build, to_record=_probe_record, from_record=_probe_from)
+    probe = store.measure("probe", store.owner(lm.name), params, build, to_record=_probe_record, from_record=_probe_from,
+                          device=str(lm.device))
     probe.record = store.key_of("probe", params)
     return probe
 
@@ -294,7 +295,7 @@ def preference_pairs(lm: Loaded, probe: Probe, n_pairs: int = DEFAULTS["n_pairs"
               "layer": probe.steer_layer, "n_pairs": n_pairs, "seed": seed,
               "max_new_tokens": max_new_tokens, "offset": offset, "scorer": metrics.resolve_scorer(scorer),
               "chunk": chunk, "prompts": cache.content_hash(pool), "min_distinct2": float(min_distinct2), "version": 2}
-    out = store.measure("preference-pairs", store.owner(lm.name), params, build)
+    out = store.measure("preference-pairs", store.owner(lm.name), params, build, device=str(lm.device))
     df = out["pairs"].copy()
     df.attrs.update(n_tried=out["n_tried"], n_looping=out["n_looping"], scorer=out["scorer"])
     return df
@@ -570,7 +571,7 @@ def toxicity_perplexity_f1(lm: Loaded, n_prompts: int = DEFAULTS["n_prompts"], n
               "batch_size": batch_size, "scorer": metrics.resolve_scorer(scorer), "details": details,
               "toxicity_only": toxicity_only, "perplexity": perplexity}
     return store.measure("toxicity-perplexity-f1", store.owner(lm.name), params,
-                         lambda: _toxicity_perplexity_f1(lm, inputs, **kw), inputs=inputs)
+                         lambda: _toxicity_perplexity_f1(lm, inputs, **kw), inputs=inputs, device=str(lm.device))
 
 
 def _toxicity_perplexity_f1(lm: Loaded, inputs: dict, *, n_prompts: int, n_wiki: int, max_new_tokens: int,
@@ -717,7 +718,7 @@ def evaluate(lm: Loaded, table=None, *, n_prompts: int, n_wiki: int, max_new_tok
                          lambda: _evaluate(lm, table, n_prompts=n_prompts, n_wiki=n_wiki, max_new_tokens=max_new_tokens,
                                            scorer=scorer, toxicity_only=toxicity_only, positions=positions,
                                            prompts=prompts),
-                         inputs=inputs)
+                         inputs=inputs, device=str(lm.device))
 
 
 def _table_key(table) -> str:
@@ -816,7 +817,8 @@ def evaluate_each(lm: Loaded, tables: Sequence, *, n_prompts: int, n_wiki: int, 
     params = [_evaluation_params(lm, t, n_prompts, n_wiki, max_new_tokens, scorer, True, positions, copy_from)
               for t in tables]
     return store.measure_many("evaluation", store.owner(lm.name), params,
-                              lambda idx: _evaluate_each(lm, [tables[i] for i in idx], **kw), inputs=inputs)
+                              lambda idx: _evaluate_each(lm, [tables[i] for i in idx], **kw), inputs=inputs,
+                              device=str(lm.device))
 
 
 def _evaluate_each(lm: Loaded, tables: list, *, n_prompts: int, n_wiki: int, max_new_tokens: int, scorer: str,
@@ -1091,7 +1093,7 @@ def validate_directions(lm: Loaded, probe: Probe, scorer: str = "auto", seed: in
         {k: _tensor_key(v) for k, v in vectors.items()}
     key = {"model": lm.name, "settings": s, "seed": seed, "scorer": metrics.resolve_scorer(scorer), "layer": layer,
            "vectors": named, "prompts": cache.content_hash(prompts)}
-    out = store.measure("direction-gate", store.owner(lm.name), key, build)
+    out = store.measure("direction-gate", store.owner(lm.name), key, build, device=str(lm.device))
     return DirectionGate(out["table"], vectors, out["best"], layer, out["steer_norm"], out["baseline"],
                          out["random"], out["scorer"], {**s, "examples": out["examples"]})
 

@@ -100,7 +100,7 @@ def pair_stats(model_name: str, base: Loaded, tuned: Loaded, tuned_params: dict,
                 "tuned_continuations": gt.continuations, "prompts": gb.prompts,
                 "count": {"base": int(sb.count[0]), "tuned": int(st.count[0])}}
 
-    own = store.measure("neuron-stats", owner, {**params, "texts": "own"}, build)
+    own = store.measure("neuron-stats", owner, {**params, "texts": "own"}, build, device=str(base.device))
     per_prompt = _per_prompt_reader(model_name, base, tuned, params, own, k, batch_size, progress)
     if texts == "own":
         return PairStats({**own, "texts": "own"}, per_prompt, "own")
@@ -112,7 +112,7 @@ def pair_stats(model_name: str, base: Loaded, tuned: Loaded, tuned_params: dict,
         _PER_PROMPT[(id(base), id(tuned), owner, str(params), "same")] = st.pooled.float()
         return {"tuned": st.mean, "count": int(st.count[0])}
 
-    same = store.measure("neuron-stats", owner, {**params, "texts": "base"}, build_same)
+    same = store.measure("neuron-stats", owner, {**params, "texts": "base"}, build_same, device=str(tuned.device))
     return PairStats({**own, "tuned": same["tuned"], "tuned_continuations": own["base_continuations"],
                       "count": {**own["count"], "tuned": same["count"]}, "texts": "base"}, per_prompt, "base")
 

@@ -543,7 +543,7 @@ def finetune(model_name: str, arm: str, seed: int, train_enc: dict, texts_enc: d
                   data=cache.content_hash([{k: v for k, v in sorted(e.items())} for e in (train_enc, texts_enc, eval_enc)]))
     if arm == "saobp":
         params.update(J=J, j_mode=j_mode)
-    return store.measure("saobp-finetune", store.owner(model_name), params, build)
+    return store.measure("saobp-finetune", store.owner(model_name), params, build, device=str(device))
 
 
 # ----------------------------------------------------------------------------- records (lib.store)

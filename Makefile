@@ -41,7 +41,7 @@ SNAKEMAKE := $(VENV)/bin/snakemake --cores $(CORES) --rerun-incomplete --printsh
 FRESH ?=
 reproduce: $(STAMP) $(KERNEL_CFG) ## run the notebooks through Snakemake (MODEL=<name>: that model's grid; NOTEBOOKS=01,02: a subset; FRESH=1: every record measured again)
 	$(PY) -m lib.runner recover
-	$(if $(FRESH),COMPENDIUM_RECORDS=fresh) $(SNAKEMAKE) $(if $(FRESH),--forceall) --config run=$(or $(MODEL),default) $(if $(DEVICE),device=$(DEVICE)) $(if $(NOTEBOOKS),only='"$(NOTEBOOKS)"')
+	$(if $(FRESH),COMPENDIUM_RECORDS=fresh COMPENDIUM_FRESH_SINCE=$$(date -u +%Y-%m-%dT%H:%M:%S)) $(SNAKEMAKE) $(if $(FRESH),--forceall) --config run=$(or $(MODEL),default) $(if $(DEVICE),device=$(DEVICE)) $(if $(NOTEBOOKS),only='"$(NOTEBOOKS)"')
 	$(PY) -m lib.store manifest
 
 workflow-dry-run: $(STAMP) ## list every notebook x model job of the full grid (nothing runs)

@@ -55,6 +55,7 @@ MODES = ("use", "strict", "fresh")
 AUDIT_PLAN_ENV = "COMPENDIUM_AUDIT_PLAN"
 AUDIT_LOG_ENV = "COMPENDIUM_AUDIT_LOG"
 STORE_ENV = "COMPENDIUM_STORE"  # another root than results/ (tests)
+FRESH_SINCE_ENV = "COMPENDIUM_FRESH_SINCE"  # 'fresh' mode: records written since this UTC time are this rebuild's
 NOTEBOOK_ENV = "COMPENDIUM_NOTEBOOK"  # the notebook a worker process measures for (lib.scratch.scratch_runs sets it)
 FOLDER = "measurements"
 GZIP_ABOVE = 32_768  # bytes of JSON above which a record is gzipped (small ones stay plain, diffable text)
@@ -415,12 +416,16 @@ def measure_many(step_name: str, model_name: str, params_list: list[dict], build
     m = mode()
     out: list = [None] * len(keys)
     missing = []
+    since = os.environ.get(FRESH_SINCE_ENV, "").strip()
     for i, key in enumerate(keys):
         found = locate(model_name, step_name, key)
-        if found is None or m == "fresh":
+        doc = read(found) if found is not None else None
+        # 'fresh' measures every record again, once: one that this rebuild already wrote (another notebook asked
+        # for it first) is read
+        if doc is None or (m == "fresh" and not (since and doc.get("provenance", {}).get("date", "") >= since)):
             missing.append(i)
             continue
-        committed = decode(read(found)["data"])
+        committed = decode(doc["data"])
         if _planned(found):
             _audit(found, st, committed, lambda i=i: build_many([i])[0], to_record)
         out[i] = from_record(committed)

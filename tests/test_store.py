@@ -108,6 +108,13 @@ def test_fresh_mode_recomputes_and_a_bad_mode_is_one_line(toy_step, monkeypatch)
     monkeypatch.setenv(store.RECORDS_ENV, "fresh")
     store.measure("toy", "m", {}, build)
     assert len(calls) == 2
+    # a rebuild measures each record once: what it wrote since it began is read by the next notebook asking
+    monkeypatch.setenv(store.FRESH_SINCE_ENV, "2000-01-01T00:00:00")
+    store.measure("toy", "m", {}, build)
+    assert len(calls) == 2
+    monkeypatch.setenv(store.FRESH_SINCE_ENV, "2999-01-01T00:00:00")
+    store.measure("toy", "m", {}, build)
+    assert len(calls) == 3
     monkeypatch.setenv(store.RECORDS_ENV, "sometimes")
     with pytest.raises(ValueError, match="COMPENDIUM_RECORDS must be one of use, strict, fresh"):
         store.measure("toy", "m", {}, build)

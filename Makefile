@@ -87,7 +87,7 @@ claims: $(STAMP) ## rewrite results/<model>/claims.md from the recorded findings
 clean-results: ## remove executed notebooks, timings and ad-hoc runs (keeps the ledgers, the records and the cache)
 	rm -rf results/*/*.ipynb results/*/[0-9][0-9]_*.json results/*/timings results/*/runs
 
-bench: $(STAMP) ## time lib against the alternatives (issue 7) and write benchmarks/RESULTS.md (ARGS="--device cuda ...")
+bench: $(STAMP) ## time lib against the alternatives and write benchmarks/RESULTS.md (ARGS="--device cuda ...")
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench.py $(if $(DEVICE),--device $(DEVICE)) $(ARGS)
 
 # The static site (docs/site/build.py): Jupyter Book 1 in its own venv (docs/site/requirements.txt; it needs

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmarks of issue 7: how fast the compendium does its work, next to the alternatives.
+"""Benchmarks: how fast the compendium does its work, next to the alternatives.
 
     python benchmarks/bench.py                      # all five items, writes benchmarks/RESULTS.md
     python benchmarks/bench.py --device cuda        # the same on a GPU (adds nothing else; --dtype bfloat16 for bf16)
@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# The sizes issue 7 asks for; the report names every deviation from them.
+# The sizes the benchmark is specified at; the report names every deviation from them.
 ISSUE_SIZES = {"prompts": 256, "tokens": 52, "batch_size": 32, "scaling": [64, 256, 1024],
                "gen_prompts": 64, "gen_tokens": 20}
 TARGETS = {
@@ -578,7 +578,7 @@ def deviations(args) -> list[str]:
     for k, v in ISSUE_SIZES.items():
         got = getattr(args, k)
         if list(got) != v if isinstance(v, list) else got != v:
-            out.append(f"`{k}` = {got} (issue: {v})")
+            out.append(f"`{k}` = {got} (specified: {v})")
     if getattr(args, "reps", 3) < 3:
         out.append(f"`reps` = {args.reps} (one pass over all prompts per repetition; each ratio is still the median of "
                    f"{-(-args.prompts // args.batch_size) * args.reps} paired batches)")
@@ -592,7 +592,7 @@ def deviations(args) -> list[str]:
 
 def report(res: dict, command: str) -> str:
     a, mc, items = res["args"], res["machine"], res["items"]
-    L = ["# Benchmarks (issue 7)", "",
+    L = ["# Benchmarks", "",
          f"Produced by `{command}` ({mc['bench_seconds'] / 60:.1f} min). Absolute times depend on the machine and "
          "on what else runs on it; compare the ratios.", "",
          "| machine | |", "|---|---|",
@@ -682,7 +682,7 @@ def report(res: dict, command: str) -> str:
         if "other_batch" in r3:
             bb = r3["other_batch"]
             q = bb["tok_per_s"] / r3["tok_per_s"]["loop"]
-            was = " (generate's default before issue 7)" if bb["batch_size"] == 16 else ""
+            was = " (generate's default before the batch size was raised to 64)" if bb["batch_size"] == 16 else ""
             L += [f"With batches of {bb['batch_size']}{was}, timed right after each repetition (not interleaved): median "
                   f"{fmt_s(median(bb['times']))}, {bb['tok_per_s']:.1f} tokens/s, {q:.1f}x the loop's tokens/s.", ""]
             summary.append((3, f"batch {bb['batch_size']}{was} / loop = {q:.1f}x", None))
@@ -781,7 +781,7 @@ def parse(argv=None):
     ap.add_argument("--gen-prompt-tokens", type=int, default=32, help="lib.metrics.generate's default")
     ap.add_argument("--gen-reps", type=int, default=3)
     ap.add_argument("--gen-other-batch", type=int, default=16,
-                    help="also time lib generation with this batch size (16: generate's default before issue 7; 0: skip)")
+                    help="also time lib generation with this batch size (16: generate's earlier default; 0: skip)")
     ap.add_argument("--no-thread-check", dest="thread_check", action="store_false",
                     help="skip the comparison of torch thread counts")
     ap.add_argument("--thread-options", default="1,2", help="thread counts compared by the thread check")

@@ -143,7 +143,7 @@ def _model_key(lm: Loaded, model_name: str) -> dict:
     return {"model": model_name, "dtype": str(p.dtype), "device": p.device.type}
 
 
-# ============================================================================= the paper's protocol (issue 16)
+# ============================================================================= the paper's protocol
 #
 # One pipeline, two labelled protocols: "paper" (the default: what relation-neurons.md records of the
 # paper) and "ours" (the compendium's earlier choices, kept as a variant). Facts come from LRE, from
@@ -728,7 +728,7 @@ def attribution(study: Study, name: str, batch_size: int = 16, progress: bool = 
     return (total / max(1, len(prompts))).float()
 
 
-# ============================================================================ template check (issue 16, item 2)
+# ============================================================================ template check
 # Added for notebook 11: AvgPrec with each identification prompt pooled over a part of its tokens.
 
 TOKEN_PARTS = ("subject", "template", "all")
@@ -770,7 +770,7 @@ def ap_by_tokens(study: "Study", name: str, parts: Sequence[str] = ("subject", "
     parts: 'subject' (the tokens that overlap the subject's characters), 'template' (the other tokens
     of the query: the relation's words), 'all' (every token, as :func:`setup` pools: reproduces
     ``study.ap`` up to float16 rounding). A unit in r's top-k whose AvgPrec falls when only the subject
-    counts responds to the template's words, not to the subject (issue 16, item 2).
+    counts responds to the template's words, not to the subject.
     facts: the ``facts`` given to :func:`setup` (None: LRE): the templates of every row's relation come
     from it, and the subject is the part of the prompt a template's '{}' covers (the longest matching
     template; with answered examples before the query, the last one). One forward pass per batch of

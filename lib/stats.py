@@ -348,7 +348,7 @@ def across_seeds(values: Sequence[float], level: float = LEVEL, seed: int = 0) -
     """Summarise a per-seed effect: Student t interval of the mean over seeds (``scipy.stats.ttest_1samp``;
     zero-width when every seed gives the same value, which is never significance) and an exact two-sided
     sign test. Not the BCa bootstrap: over a handful of seeds (10) it covers less than its level, and it
-    excluded 0 or a threshold where the t interval does not (notebooks 07 and 10, issue 17). ``seed`` is
+    excluded 0 or a threshold where the t interval does not (notebooks 07 and 10). ``seed`` is
     kept for callers; the t interval draws nothing."""
     v = _as_float(values)
     if v.size < 2:

@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from lib import data, hooks, metrics, repro
+from lib import cache, data, hooks, metrics, repro, store
 from lib.models import Loaded
 
 
@@ -106,32 +106,6 @@ class TestSet:
 # ----------------------------------------------------------------------------- neuron scores
 
 
-def random_neurons(like: np.ndarray, n_layers: int, d_mlp: int, seed: int = 0, match_layers: bool = True,
-                   exclude: np.ndarray | None = None) -> np.ndarray:
-    """A random control set with as many neurons as ``like`` [k, 2].
-
-    match_layers=True draws, in each layer, as many neurons as ``like`` has there (same layer
-    distribution); False draws uniformly over all neurons. Neurons in ``exclude`` (default: ``like``)
-    are never drawn."""
-    like = np.asarray(like, dtype=int).reshape(-1, 2)
-    excl = like if exclude is None else np.asarray(exclude, dtype=int).reshape(-1, 2)
-    banned = set((excl[:, 0] * d_mlp + excl[:, 1]).tolist())
-    rng = np.random.default_rng(seed)
-    if match_layers:
-        out = []
-        for L, c in zip(*np.unique(like[:, 0], return_counts=True)):
-            pool = np.setdiff1d(np.arange(d_mlp), [f % d_mlp for f in banned if f // d_mlp == L])
-            if len(pool) < c:
-                raise ValueError(f"layer {L} has {len(pool)} neurons outside the excluded set, {c} asked for")
-            out += [(int(L), int(i)) for i in rng.choice(pool, size=c, replace=False)]
-        out = np.asarray(out, dtype=int).reshape(-1, 2)
-    else:
-        pool = np.setdiff1d(np.arange(n_layers * d_mlp), list(banned))
-        flat = rng.choice(pool, size=len(like), replace=False)
-        out = np.stack([flat // d_mlp, flat % d_mlp], 1)
-    return out[np.lexsort((out[:, 1], out[:, 0]))]
-
-
 # ----------------------------------------------------------------------------- overlaps and intervals
 
 
@@ -139,8 +113,10 @@ def random_neurons(like: np.ndarray, n_layers: int, d_mlp: int, seed: int = 0, m
 
 
 def _model_key(lm: Loaded, model_name: str) -> dict:
+    """What names the model in a record's key: its name and dtype (not its device: a record measured on a GPU
+    is read by a CPU run; the record's provenance names the device)."""
     p = next(lm.model.parameters())
-    return {"model": model_name, "dtype": str(p.dtype), "device": p.device.type}
+    return {"model": model_name, "dtype": str(p.dtype)}
 
 
 # ============================================================================= the paper's protocol
@@ -295,6 +271,26 @@ def answer(lm: Loaded, prompts: Sequence[str], golds: Sequence[str], n_tokens: i
     return Answers(cont, np.array([matches(c, g, rule) for c, g in zip(cont, golds)], dtype=bool), rank, lp, pooled)
 
 
+def measured_answers(lm: Loaded, model_name: str, prompts: Sequence[str], golds: Sequence[str], n_tokens: int = 2,
+                     rule: str = "prefix", units: "hooks.Units | None" = None, off=None, batch_size: int = 64,
+                     max_prompt_tokens: int = 128, progress: bool = False) -> Answers:
+    """:func:`answer` (without ``record``) as a measurement record (step 'relation-answers': each prompt's
+    continuation, right or wrong, the gold's rank and log-probability), keyed by the model, the prompts and
+    golds, the units off and the protocol's decoding; computed only when the store lacks it."""
+    off_list = [] if off is None else sorted(set(np.asarray(off, dtype=np.int64).reshape(-1).tolist()))
+    params = {**_model_key(lm, model_name), "prompts": cache.content_hash([list(prompts), list(golds)]),
+              "off": cache.content_hash(off_list), "sites": list(units.sites) if off_list and units is not None else [],
+              "n_tokens": n_tokens, "rule": rule, "max_prompt_tokens": max_prompt_tokens}
+
+    def build():
+        a = answer(lm, prompts, golds, n_tokens, rule, units, off_list or None, batch_size=batch_size,
+                   max_prompt_tokens=max_prompt_tokens, progress=progress)
+        return {"continuation": a.continuation, "correct": a.correct, "rank": a.rank, "logprob": a.logprob}
+    rec = store.measure("relation-answers", store.owner(model_name), params, build, device=str(lm.model.device))
+    return Answers(list(rec["continuation"]), np.asarray(rec["correct"], dtype=bool), np.asarray(rec["rank"]),
+                   np.asarray(rec["logprob"], dtype=float))
+
+
 # ----------------------------------------------------------------------------- facts
 
 
@@ -361,6 +357,9 @@ def read_facts(path) -> dict[str, dict]:
         temps = row.get("templates", [row["template"]] if "template" in row else None)
         if not isinstance(temps, list) or not temps:
             raise ValueError(f"{p.name} line {no}: needs 'templates' (a list) or 'template', each with one '{{}}'")
+        bad = [t for t in temps if not isinstance(t, str) or t.count("{}") != 1]
+        if bad:
+            raise ValueError(f"{p.name} line {no}: every template needs exactly one '{{}}' for the subject, got {bad[0]!r}")
         rel = row["relation"].strip()
         lang = str(row.get("language", "en"))
         r = out.setdefault(rel, {"templates": [], "samples": [], "language": lang, "source": p.name})
@@ -449,7 +448,7 @@ class Study:
     ap: torch.Tensor  # [n_selected, units.size] AvgPrec of each unit for each relation
     tiebreak: torch.Tensor  # [n_selected, units.size] standardised difference of mean responses (pos - neg)
     ident_rows: dict[str, tuple[np.ndarray, np.ndarray]]  # name -> (positive rows, negative rows) of `pooled`
-    pooled: torch.Tensor  # [rows used by some relation, units.size] float16 responses
+    pooled_rows: torch.Tensor | None  # `pooled` once known (None: the study came from its record; see `pooled`)
     row_relation: np.ndarray  # relation of each pooled row
     row_correct: np.ndarray  # was it answered correctly
     row_prompt: list[str]  # the prompt of each pooled row
@@ -459,6 +458,20 @@ class Study:
     @property
     def names(self) -> list[str]:
         return list(self.relations)
+
+    @property
+    def pooled(self) -> torch.Tensor:
+        """[rows used by some relation, units.size] each identification row's mean response of every unit
+        (float16): kept from the identification pass that built the study, else (the study was read from its
+        record, which keeps the scores, not these responses) measured again on these rows alone and cached
+        (:mod:`lib.cache`). Only new scorings need it (:meth:`ap_of`, :meth:`ap_many`, a new :meth:`rank_many`)."""
+        if self.pooled_rows is None:
+            def build():
+                return answer(self.lm, self.row_prompt, self.row_gold, 1, self.protocol.rule, self.units, record=True,
+                              batch_size=self.sizes.batch_size, max_prompt_tokens=self.sizes.max_prompt_tokens,
+                              progress=repro.progress_on(), desc="responses of the identification rows").pooled
+            self.pooled_rows = cache.get_or_build("relation-pooled", self.model_name, {"study": self.fingerprint}, build)
+        return self.pooled_rows
 
     def top(self, name: str, k: int | None = None) -> np.ndarray:
         """Flat unit indices of ``name``'s top-k by AvgPrec, ties broken by the standardised difference
@@ -472,23 +485,17 @@ class Study:
     def run(self, off=None, only: Iterable[str] | str | None = None, use_cache: bool = True) -> pd.DataFrame:
         """Test answers with ``off`` (flat unit indices) set to 0: one row per test prompt (of the
         relations in ``only``, default all), with relation, item (index in ``tests``), continuation,
-        correct, rank, logprob. Cached by model, prompts, units off and protocol."""
-        from lib import cache
-
+        correct, rank, logprob. A measurement record (:func:`measured_answers`); ``use_cache`` False: computed
+        here and not kept."""
         t = self.tests if only is None else self.tests.only(only)
         items = np.flatnonzero(np.isin(self.tests.relation, list(t.relation)))
         off_list = [] if off is None else sorted(set(np.asarray(off, dtype=np.int64).reshape(-1).tolist()))
         p = self.protocol
-        params = {**_model_key(self.lm, self.model_name), "prompts": cache.content_hash([t.prompts, t.golds]),
-                  "off": cache.content_hash(off_list), "sites": list(p.sites), "n_tokens": p.n_tokens, "rule": p.rule}
-
-        def build():
-            a = answer(self.lm, t.prompts, t.golds, p.n_tokens, p.rule, self.units, off_list or None,
-                       batch_size=self.sizes.batch_size, max_prompt_tokens=self.sizes.max_prompt_tokens)
-            return a.frame()
-        df = build() if not use_cache else cache.get_or_build("relation-answers", self.model_name, params, build,
-                                                              save=lambda d, f: d.to_pickle(f), load=pd.read_pickle, suffix=".pkl")
-        df = df.copy()
+        kw = dict(units=self.units, batch_size=self.sizes.batch_size, max_prompt_tokens=self.sizes.max_prompt_tokens)
+        if use_cache:
+            df = measured_answers(self.lm, self.model_name, t.prompts, t.golds, p.n_tokens, p.rule, off=off_list, **kw).frame()
+        else:
+            df = answer(self.lm, t.prompts, t.golds, p.n_tokens, p.rule, off=off_list or None, **kw).frame()
         df.insert(0, "item", items)
         df.insert(0, "relation", t.relation)
         return df
@@ -501,6 +508,23 @@ class Study:
     def ap_many(self, tasks: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`score_many` on ``pooled``: many (positives, negatives) tasks over one shared sort."""
         return score_many(self.pooled, tasks)
+
+    def rank_many(self, tasks: Sequence[tuple[np.ndarray, np.ndarray]], depth: int) -> np.ndarray:
+        """[n_tasks, depth] the best ``depth`` units of each (positives, negatives) task, best first, in
+        :meth:`top`'s order (AvgPrec, then the tie-break; :func:`top_of`): a measurement record (step
+        'relation-ranking'), so the task's top-k for any k <= depth needs no scoring. The record keeps the
+        rankings, not the scores: [n_tasks x units] scores would be megabytes per task."""
+        if not isinstance(depth, (int, np.integer)) or not 0 < depth <= self.units.size:
+            raise ValueError(f"depth must be in 1..{self.units.size}, got {depth!r}")
+        tasks = [(np.asarray(p, dtype=np.int64), np.asarray(q, dtype=np.int64)) for p, q in tasks]
+        params = {"study": self.fingerprint, "depth": int(depth),
+                  "tasks": cache.content_hash([[p.tolist(), q.tolist()] for p, q in tasks])}
+
+        def build():
+            ap, tie = self.ap_many(tasks)
+            return np.stack([top_of(a, t, int(depth)) for a, t in zip(ap, tie)]).astype(np.int32)
+        return store.measure("relation-ranking", store.owner(self.model_name), params, build,
+                             device=str(self.lm.model.device)).astype(np.int64)
 
 
 def score_many(pooled: torch.Tensor, tasks: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -579,13 +603,19 @@ def setup(model_name: str = "smollm2-135m", device: str = "auto", seed: int = 0,
     too few relations to fill 4x with right answers only).
     ``facts``: None (LRE), a dict from :func:`lre_facts` / :func:`klar_facts`, or a JSONL path
     (:func:`read_facts`). ``sizes``: fields of :class:`Sizes`."""
-    from lib import cache, models
+    from lib import models
 
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}: use one of {', '.join(PROTOCOLS)}")
     unknown = sorted(set(sizes) - set(Sizes.__dataclass_fields__))
     if unknown:
-        raise ValueError(f"unknown setting(s) {unknown}: use fields of relations.Sizes ({', '.join(Sizes.__dataclass_fields__)})")
+        import difflib
+
+        names = list(Sizes.__dataclass_fields__)
+        guess = {k: difflib.get_close_matches(k, names, n=1) for k in unknown}
+        raise ValueError("unknown setting(s) " + ", ".join(f"{k!r}" + (f" (did you mean {g[0]!r}?)" if g else "")
+                                                           for k, g in guess.items())
+                         + f": use fields of relations.Sizes ({', '.join(names)})")
     sz = Sizes(**sizes)
     p = PROTOCOLS[protocol]
     if isinstance(relations, str) and relations != "all":
@@ -664,7 +694,15 @@ def setup(model_name: str = "smollm2-135m", device: str = "auto", seed: int = 0,
                 "used": used,
                 "ap": torch.stack([s[0] for s in scores]) if scores else z,
                 "tiebreak": torch.stack([s[1] for s in scores]) if scores else z}
-    built = cache.get_or_build("relation-study", model_name, params, build)
+    kept = {}  # the responses of the identification rows, when this run measures them (the record leaves them out)
+
+    def measured():
+        out = build()
+        kept["pooled"] = out.pop("pooled")
+        return {**out, "k": k}
+    built = store.measure("relation-study", store.owner(model_name), params, measured, device=str(lm.model.device))
+    if "pooled" in kept:
+        cache.atomic_save(kept["pooled"], cache.path("relation-pooled", model_name, {"study": cache.key(params)}, ".pt"))
     for row in screen:
         n = row["relation"]
         if n in rels:
@@ -681,7 +719,7 @@ def setup(model_name: str = "smollm2-135m", device: str = "auto", seed: int = 0,
     chosen = {n: rels[n] for n in built["chosen"]}
     tests = TestSet.of(chosen) if chosen else TestSet([], [], np.array([], dtype=str))
     return Study(lm, model_name, p, sz, seed, units, k, pd.DataFrame(screen).set_index("relation"), chosen, tests,
-                 built["ap"], built["tiebreak"], built["rows"], built["pooled"], built["row_relation"], built["row_correct"],
+                 built["ap"], built["tiebreak"], built["rows"], kept.get("pooled"), built["row_relation"], built["row_correct"],
                  [ident[i][3] for i in built["used"]], [ident[i][1]["object"] for i in built["used"]],
                  cache.key(params))
 
@@ -691,7 +729,16 @@ def attribution(study: Study, name: str, batch_size: int = 16, progress: bool = 
     first-token log-probability, averaged over r's positive identification prompts: the sum over the
     prompt's positions of a * d logp / d a (zeroing a changes logp by about -a * d logp / d a).
     Computed on identification prompts only, so the single neurons it picks are tested on facts it
-    never saw."""
+    never saw. A measurement record (step 'relation-attribution', keyed by the study and ``name``)."""
+    if name not in study.ident_rows:
+        raise ValueError(f"{name!r} is not a selected relation: use one of {', '.join(study.names)}")
+    return store.measure("relation-attribution", store.owner(study.model_name),
+                         {"study": study.fingerprint, "relation": name},
+                         lambda: _attribution(study, name, batch_size, progress), device=str(study.lm.model.device))
+
+
+def _attribution(study: Study, name: str, batch_size: int, progress: bool) -> torch.Tensor:
+    """:func:`attribution`'s measurement itself (no record)."""
     lm, units = study.lm, study.units
     rows = study.ident_rows[name][0]
     prompts = [study.row_prompt[i] for i in rows]
@@ -775,9 +822,8 @@ def ap_by_tokens(study: "Study", name: str, parts: Sequence[str] = ("subject", "
     from it, and the subject is the part of the prompt a template's '{}' covers (the longest matching
     template; with answered examples before the query, the last one). One forward pass per batch of
     prompts (last-position logits only), every part recorded at once; cached by the study and ``name``.
-    Needs a fast tokenizer (offset mapping)."""
-    from lib import cache
-
+    Needs a fast tokenizer (offset mapping). A measurement record (step 'relation-token-ap'); ``use_cache``
+    False: computed here and not kept."""
     parts = tuple(dict.fromkeys(parts))
     bad = [p for p in parts if p not in TOKEN_PARTS]
     if not parts or bad:
@@ -844,7 +890,8 @@ def ap_by_tokens(study: "Study", name: str, parts: Sequence[str] = ("subject", "
             pooled = r.result()[torch.from_numpy(inv)]  # [n rows, units.size], in the order of `rows`
             out[p] = _score(pooled, np.arange(len(pos)), np.arange(len(pos), n))
         return out
-    return build() if not use_cache else cache.get_or_build("relation-token-ap", study.model_name, params, build)
+    return build() if not use_cache else store.measure("relation-token-ap", store.owner(study.model_name), params, build,
+                                                       device=str(lm.model.device))
 # ============================================================================ end of the template check
 
 
@@ -866,3 +913,83 @@ def klar_aligned_tests(study: Study, lang: str) -> TestSet:
         out[name] = Relation(name, list(r.templates), [by_id[f["id"]] for f in r.demos], [],
                              [by_id[f["id"]] for f in r.test], r.test_template)
     return TestSet.of(out) if out else TestSet([], [], np.array([], dtype=str))
+
+
+# ----------------------------------------------------------------------------- records (lib.store)
+# What paper C measures, kept as committed records, and what the audit allows when it measures one again on
+# another machine. A recomputed accuracy or mean log-probability may move by at most AUDIT_FRACTION of the
+# committed value's 95% half-width: greedy answers on another CPU flip where two tokens nearly tie, which moves
+# a mean by a few facts' worth, less than its own interval.
+AUDIT_FRACTION = 1.0
+# A top set measured again must share at least this share of its units with the committed one: AvgPrec over a
+# few hundred prompts takes few distinct values, so units near the k-th tie on AvgPrec and are ordered by the
+# tie-break, a float quantity that float noise in the responses reorders.
+TOP_SHARED = 0.9
+# Scores measured again (attributions, AvgPrec by tokens) must correlate with the committed ones at least this much.
+MIN_R = 0.99
+
+
+def _binomial_check(name: str, committed, fresh) -> "store.Check":
+    c, f = np.asarray(committed, dtype=float), np.asarray(fresh, dtype=float)
+    p, n = float(c.mean()) if c.size else float("nan"), c.size
+    hw = 1.96 * np.sqrt(max(p * (1 - p), 1e-4) / max(n, 1))
+    return store.within(name, p, float(f.mean()) if f.size else float("nan"), AUDIT_FRACTION * hw,
+                        f"{AUDIT_FRACTION:g} x the binomial 95% half-width {hw:.3g} over {n} prompts")
+
+
+def _shared_share(a, b) -> float:
+    a, b = np.asarray(a).reshape(-1), np.asarray(b).reshape(-1)
+    return len(np.intersect1d(a, b)) / max(1, len(a))
+
+
+def _compare_answers(c: dict, f: dict) -> list:
+    """Answers: accuracy within its binomial half-width, mean gold log-probability within its half-width;
+    the share of identical continuations, reported (the cross-CPU sensitivity of greedy decoding)."""
+    out = [_binomial_check("accuracy", c["correct"], f["correct"])]
+    if len(c["logprob"]) > 1:
+        hw = store.half_width(c["logprob"])
+        out.append(store.within("mean gold log-probability", float(np.mean(c["logprob"])), float(np.mean(f["logprob"])),
+                                AUDIT_FRACTION * hw, f"{AUDIT_FRACTION:g} x the half-width {hw:.3g} of its 95% interval "
+                                f"over {len(c['logprob'])} prompts"))
+    same = float(np.mean([x == y for x, y in zip(c["continuation"], f["continuation"])])) if len(c["continuation"]) else 1.0
+    out.append(store.info("identical continuations (share)", 1.0, same, "greedy decoding on this CPU against the committed one"))
+    return out
+
+
+def _compare_study(c: dict, f: dict) -> list:
+    """A study: the same relations selected; identification accuracy within its binomial half-width; each
+    relation's top-k sharing at least TOP_SHARED of its units with the committed one."""
+    same = list(c["chosen"]) == list(f["chosen"])
+    out = [store.Check("same relations selected", 1.0, float(same), "must be the same", same),
+           _binomial_check("identification accuracy", c["correct"], f["correct"])]
+    if same:
+        for j, name in enumerate(c["chosen"]):
+            share = _shared_share(top_of(c["ap"][j], c["tiebreak"][j], c["k"]), top_of(f["ap"][j], f["tiebreak"][j], f["k"]))
+            out.append(store.at_least(f"top-{c['k']} of {name} shared (share)", share, TOP_SHARED,
+                                      "near-ties at the k-th unit may swap"))
+    return out
+
+
+def _compare_ranking(c, f) -> list:
+    """Rankings: the top-depth sets share at least TOP_SHARED of their units, on average over the tasks."""
+    share = float(np.mean([_shared_share(a, b) for a, b in zip(c, f)]))
+    return [store.at_least(f"top-{np.shape(c)[1]} shared, mean over {len(c)} tasks (share)", share, TOP_SHARED,
+                           "near-ties at the last unit may swap")]
+
+
+def _r_check(name: str, a, b) -> "store.Check":
+    x, y = np.asarray(a, dtype=float).reshape(-1), np.asarray(b, dtype=float).reshape(-1)
+    r = float(np.corrcoef(x, y)[0, 1]) if x.std() > 0 and y.std() > 0 else float(np.array_equal(x, y))
+    return store.at_least(f"correlation of {name}", r, MIN_R, "per-unit scores recomputed on this machine")
+
+
+store.step("relation-answers", 1, "paper C: greedy answers to fact prompts, with or without units off: each prompt's "
+           "continuation, right or wrong, the gold's rank and log-probability", _compare_answers)
+store.step("relation-study", 1, "paper C's identification pass: answers to every identification prompt, the "
+           "relations selected, their positive and negative rows, every unit's AvgPrec and tie-break", _compare_study)
+store.step("relation-ranking", 1, "paper C: the best units of (positives, negatives) scoring tasks, in order",
+           _compare_ranking)
+store.step("relation-attribution", 1, "paper C: first-order attribution of each unit on a relation's positives",
+           lambda c, f: [_r_check("attributions", c, f)])
+store.step("relation-token-ap", 1, "paper C: every unit's AvgPrec with the responses pooled over part of the tokens",
+           lambda c, f: [_r_check(f"AvgPrec ({part})", c[part][0], f[part][0]) for part in c])

@@ -1,4 +1,4 @@
-"""Paper C's protocol pipeline (issue 16): MLP sites, one-pass answering, facts files and setup,
+"""Paper C's protocol pipeline: MLP sites, one-pass answering, facts files and setup,
 on tiny random models."""
 import json
 
@@ -122,6 +122,32 @@ def test_read_facts_format_and_errors(tmp_path):
         relations.read_facts(tmp_path / "nope.jsonl")
 
 
+def test_facts_file_errors_name_the_file_and_line(tmp_path):
+    """A template without '{}' names the line that holds it (not only the relation, whose lines may be many);
+    a byte that is not UTF-8 names its line too."""
+    rows = [{"subject": "s0", "relation": "r1", "object": "o", "templates": ["{} is"]},
+            {"subject": "s1", "relation": "r1", "object": "o", "templates": ["{} is", "no slot"]}]
+    with pytest.raises(ValueError) as e:
+        relations.read_facts(write_facts(tmp_path / "facts.jsonl", rows))
+    assert str(e.value) == "facts.jsonl line 2: every template needs exactly one '{}' for the subject, got 'no slot'"
+    with pytest.raises(ValueError, match=r"^facts.jsonl line 1: .*got '\{\} and \{\}'"):
+        relations.read_facts(write_facts(tmp_path / "facts.jsonl", [{"subject": "s", "relation": "r", "object": "o",
+                                                                     "template": "{} and {}"}]))
+    (tmp_path / "facts.jsonl").write_bytes(b'{"subject": "M\xfcnchen", "relation": "r", "object": "o", "template": "{} is"}\n')
+    with pytest.raises(ValueError, match=r"^facts.jsonl line 1: not UTF-8 text \(byte 0xfc at byte 15 of the line\)"):
+        relations.read_facts(tmp_path / "facts.jsonl")
+
+
+def test_a_misspelled_setting_names_the_closest_field(tmp_path):
+    f = write_facts(tmp_path / "mine.jsonl", [{"subject": f"w{i}", "relation": rel, "object": "the", "template": "{} is"}
+                                              for rel in ("ra", "rb") for i in range(3)])
+    with pytest.raises(ValueError) as e:  # before any model loads
+        relations.setup("tiny", facts=str(f), n_tset=4, max_idnet=8, zzz=1)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("unknown setting(s) 'max_idnet' (did you mean 'max_ident'?), 'n_tset' "
+                                             "(did you mean 'n_test'?), 'zzz': use fields of relations.Sizes (n_test, ")
+
+
 def test_split_by_id_is_aligned_and_disjoint():
     en = [{"subject": f"q{i} en", "object": "a", "id": i} for i in range(40)]
     fr = [{"subject": f"q{i} fr", "object": "a", "id": i} for i in reversed(range(40))]
@@ -174,7 +200,7 @@ def test_setup_runs_on_a_user_facts_file_and_refuses_bad_settings(tmp_path):
 
 @pytest.mark.parametrize("stem", ["11_relation_specific_neurons"])
 def test_notebook_runs_on_a_user_facts_file(tmp_path, stem):
-    """Issue 16 item 8: `facts=` replaces LRE in a notebook. A tiny random model knows none of the facts,
+    """`facts=` replaces LRE in a notebook. A tiny random model knows none of the facts,
     so nothing is selected: the notebook must still run to its verdict ("inconclusive")."""
     import papermill
 
@@ -232,3 +258,69 @@ def test_score_many_equals_one_task_at_a_time_and_sklearn():
     assert len(set(top.tolist())) == 7 and ap[0][top].min() >= ap[0].sort(descending=True).values[6] - 1e-9
     with pytest.raises(ValueError, match="both positive and negative"):
         relations.score_many(pooled, [(np.arange(3), np.arange(2, 6))])
+
+
+def test_study_and_its_runs_are_records_read_back_without_a_forward_pass(tmp_path, monkeypatch):
+    """Paper C's measurements are records: a second setup and the same runs read them (no answering at all),
+    a changed fact is a new record, strict mode computes nothing, and the identification responses a new
+    scoring needs are measured again on the study's own rows (close to those the study was scored on)."""
+    from lib import store
+
+    lm = models.tiny_random("llama")
+    subjects = [f"w{i}" for i in range(24)]
+    said = relations.answer(lm, [f"{s} is" for s in subjects], ["x"] * len(subjects)).continuation
+    rows = [{"subject": s, "relation": "ra" if i < 12 else "rb", "object": said[i], "templates": ["{} is"]}
+            for i, s in enumerate(subjects) if said[i].strip()]  # the objects are what the model answers
+    f = write_facts(tmp_path / "mine.jsonl", rows)
+    kw = dict(lm=lm, facts=str(f), n_test=3, min_correct=1, max_ident=8, progress=False)
+    study = relations.setup("tiny", **kw)
+    assert len(study.names) == 2
+    first = study.pooled.clone()  # kept from the identification pass
+    base = study.run()
+    name = study.names[0]
+    tasks = [study.ident_rows[name]]
+    ranked = study.rank_many(tasks, 5)
+    ap, tie = study.ap_many(tasks)
+    assert np.array_equal(ranked[0], relations.top_of(ap[0], tie[0], 5))
+    n_records = len(list(store.root().rglob("*.json*")))
+    with monkeypatch.context() as m:
+        m.setattr(relations, "answer", lambda *a, **k: pytest.fail("answered again instead of reading a record"))
+        m.setenv(store.RECORDS_ENV, "strict")
+        again = relations.setup("tiny", **kw)
+        assert again.pooled_rows is None and torch.equal(again.ap, study.ap) and again.names == study.names
+        assert again.run().equals(base) and np.array_equal(again.rank_many(tasks, 5), ranked)
+        with pytest.raises(store.MissingRecord, match="relation-answers"):
+            again.run(off=study.top(name))  # never measured: strict mode names the record instead of computing it
+    changed = [dict(r, object=r["object"] + "z") if i == 0 else r for i, r in enumerate(rows)]  # one changed fact
+    other = relations.setup("tiny", **{**kw, "facts": str(write_facts(tmp_path / "changed.jsonl", changed))})
+    assert other.fingerprint != study.fingerprint
+    assert len(list(store.root().rglob("*.json*"))) > n_records  # a new study record, not the old one
+    fresh = relations.setup("tiny", **kw)
+    monkeypatch.setattr(relations.cache, "get_or_build", lambda kind, m, p, build, **k: build())  # no cached responses
+    fresh.pooled_rows = None
+    torch.testing.assert_close(fresh.pooled.float(), first.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_audit_tolerances_of_paper_c_pass_agreement_and_fail_beyond_it():
+    """Each paper C step's comparison passes a record against itself and fails a planted disagreement."""
+    from lib import store
+
+    rng = np.random.default_rng(0)
+    ans = {"continuation": ["a"] * 40, "correct": rng.random(40) < 0.5, "rank": np.zeros(40, int), "logprob": -rng.random(40)}
+    ok = store.STEPS["relation-answers"].compare(ans, ans)
+    assert all(c.ok for c in ok)
+    worse = dict(ans, correct=np.zeros(40, bool), logprob=ans["logprob"] - 5)
+    assert not all(c.ok or c.info for c in store.STEPS["relation-answers"].compare(ans, worse))
+    ap = torch.rand(2, 500)
+    study = {"chosen": ["ra", "rb"], "correct": ans["correct"], "ap": ap, "tiebreak": torch.zeros(2, 500), "k": 20}
+    assert all(c.ok for c in store.STEPS["relation-study"].compare(study, study))
+    shuffled = dict(study, ap=ap[:, torch.randperm(500)])  # other units on top
+    assert not all(c.ok or c.info for c in store.STEPS["relation-study"].compare(study, shuffled))
+    assert not store.STEPS["relation-study"].compare(study, dict(study, chosen=["ra"]))[0].ok
+    ranks = np.stack([rng.permutation(500)[:20] for _ in range(3)])
+    assert store.STEPS["relation-ranking"].compare(ranks, ranks)[0].ok
+    others = np.stack([np.setdiff1d(np.arange(500), r)[:20] for r in ranks])  # disjoint top sets
+    assert not store.STEPS["relation-ranking"].compare(ranks, others)[0].ok
+    attr = torch.randn(300)
+    assert store.STEPS["relation-attribution"].compare(attr, attr + 1e-4 * torch.randn(300))[0].ok
+    assert not store.STEPS["relation-attribution"].compare(attr, torch.randn(300))[0].ok

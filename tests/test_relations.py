@@ -48,11 +48,11 @@ def test_planted_unit_has_ap_one_and_top_of_breaks_ties_by_the_second_score():
 def test_random_neurons_match_layers_and_exclude_the_set():
     """Paper A's control (01, 03): (layer, neuron) pairs with the same layer counts, none of the set."""
     like = np.array([[1, 0], [1, 1], [1, 2], [3, 5]])
-    r = relations.random_neurons(like, 4, 10, seed=1)
+    r = hooks.random_neurons(like, 4, 10, seed=1)
     assert np.bincount(r[:, 0], minlength=4).tolist() == np.bincount(like[:, 0], minlength=4).tolist()
     assert not set(map(tuple, r.tolist())) & set(map(tuple, like.tolist()))
-    assert np.array_equal(r, relations.random_neurons(like, 4, 10, seed=1))
-    u = relations.random_neurons(like, 4, 10, seed=2, match_layers=False)
+    assert np.array_equal(r, hooks.random_neurons(like, 4, 10, seed=1))
+    u = hooks.random_neurons(like, 4, 10, seed=2, match_layers=False)
     assert len(u) == 4 and len(set(map(tuple, u.tolist()))) == 4
 
 

@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import shutil
 import tempfile
 import warnings
 import weakref
@@ -430,43 +431,98 @@ def _run_dpo(lm: Loaded, pairs: pd.DataFrame, steps: int, lr: float, beta: float
     return (model, log) if keep_at is None else (model, log, kept)
 
 
+@dataclass
+class DPORun:
+    """One DPO run: its model (a :class:`lib.models.LazyLoaded`: the weights are read from the cache, or
+    trained, only when a notebook uses them), its training log, and what its weights changed (a record)."""
+    model: Loaded
+    log: pd.DataFrame  # one row per step: step, loss, reward_margin, ...
+    changed_tensors: int  # weight tensors that differ from the base model's
+    n_tensors: int
+    w_out_change: np.ndarray  # [n_layers] ||W_out(DPO) - W_out(base)|| / ||W_out(base)|| per layer
+    halfway: int  # the step after which the cache folder also keeps the weights (dpo_halfway)
+
+
+def dpo_run(lm: Loaded, pairs: pd.DataFrame, steps: int = DEFAULTS["dpo_steps"], lr: float = DEFAULTS["dpo_lr"],
+            beta: float = DEFAULTS["beta"], seed: int = 0, progress: bool = True,
+            batch_size: int = DEFAULTS["dpo_batch_size"]) -> DPORun:
+    """Full fine-tuning of ``lm`` with DPO (TRL ``DPOTrainer``, sigmoid loss, RMSprop, constant lr after a 10%
+    warm-up) on ``pairs``; ``lm`` itself is not modified. The training log and the weights' change are a
+    measurement record (step 'dpo-run'); the weights themselves are not: they are kept in the cache (a saved
+    model folder, written atomically, with the weights after ``steps // 2`` steps beside them for
+    :func:`dpo_halfway`) and trained again where the cache lacks them, when the model is first used."""
+    folder = _dpo_folder(lm, pairs, steps, lr, beta, seed, batch_size)
+    params = _dpo_params(lm, pairs, steps, lr, beta, seed, batch_size)
+
+    def build():
+        where = _train_dpo(lm, pairs, steps, lr, beta, seed, progress, batch_size, folder,
+                           fresh=store.auditing())  # the audit trains again, in a folder of its own
+        try:
+            trained = _load_dpo(lm, where, progress)
+            changed = sum(int(not torch.equal(a, b)) for a, b in zip(lm.model.parameters(), trained.model.parameters()))
+            w_out = [float((trained.mlp_out_module(L).weight - lm.mlp_out_module(L).weight).norm()
+                           / lm.mlp_out_module(L).weight.norm()) for L in range(lm.info.n_layers)]
+            n = sum(1 for _ in lm.model.parameters())
+            del trained
+        finally:
+            if where != folder:
+                shutil.rmtree(where.parent, ignore_errors=True)
+        return {"log": pd.read_csv(folder / "training_log.csv") if where == folder else _audit_logs.pop(str(where)),
+                "changed_tensors": changed, "n_tensors": n, "w_out_change": np.asarray(w_out)}
+    name = f"{lm.name}-dpo-{folder.name.split('-')[-1]}"
+    rec = store.measure("dpo-run", store.owner(lm.name), params, build, device=str(lm.device), produces=name)
+    model = models.LazyLoaded(dataclasses.replace(lm.spec, name=name), lm.device, lambda: _load_dpo(
+        lm, _train_dpo(lm, pairs, steps, lr, beta, seed, progress, batch_size, folder), progress),
+        path=folder, device_map=lm.device_map)
+    return DPORun(model, rec["log"], int(rec["changed_tensors"]), int(rec["n_tensors"]),
+                  np.asarray(rec["w_out_change"]), max(1, steps // 2))
+
+
+_audit_logs: dict = {}  # the training log of an audit's run, between its training and its record
+
+
+def _train_dpo(lm: Loaded, pairs: pd.DataFrame, steps: int, lr: float, beta: float, seed: int, progress: bool,
+               batch_size: int, target: Path, fresh: bool = False) -> Path:
+    """The DPO run's model folder: ``target`` (the cache), trained when it is missing; with ``fresh``, a new run
+    in a temporary folder whatever the cache holds (the audit's). Returns the folder."""
+    half = max(1, steps // 2)
+    if fresh:
+        target = Path(tempfile.mkdtemp(prefix="dpo-audit-")) / "run"
+    elif (target / "config.json").exists():
+        return target
+
+    def save(_, folder: Path):
+        folder.mkdir(parents=True)
+        repro.setup(seed, grad=True)
+        with repro.library_bars(progress):  # TRL's dataset preparation, transformers' shard writing
+            try:
+                with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    model, log, kept = _run_dpo(lm, pairs, steps, lr, beta, seed, batch_size, progress, Path(tmp),
+                                                keep_at=half)
+            finally:
+                torch.set_grad_enabled(False)
+            model.eval()
+            model.save_pretrained(folder)
+            lm.tokenizer.save_pretrained(folder)
+            model.load_state_dict(kept)  # the same model object, now with the weights after step `half`
+            model.save_pretrained(folder / HALFWAY)
+            lm.tokenizer.save_pretrained(folder / HALFWAY)
+        log.to_csv(folder / "training_log.csv", index=False)
+        (folder / "SOURCE.txt").write_text(f"DPO (TRL DPOTrainer) of {lm.name}; {HALFWAY}/: the weights after "
+                                           f"step {half}; params {json.dumps(_dpo_params(lm, pairs, steps, lr, beta, seed, batch_size))}\n")
+    cache.atomic_save(None, target, save, keep_existing=True)  # 02 and 03 may train it side by side
+    if fresh:
+        _audit_logs[str(target)] = pd.read_csv(target / "training_log.csv")
+    return target
+
+
 def train_dpo(lm: Loaded, pairs: pd.DataFrame, steps: int = DEFAULTS["dpo_steps"], lr: float = DEFAULTS["dpo_lr"],
               beta: float = DEFAULTS["beta"], seed: int = 0, progress: bool = True,
               batch_size: int = DEFAULTS["dpo_batch_size"]) -> tuple[Loaded, pd.DataFrame]:
-    """Full fine-tuning of ``lm`` with DPO (TRL ``DPOTrainer``, sigmoid loss, RMSprop, constant lr
-    after a 10% warm-up) on ``pairs``; ``lm`` itself is not modified.
-
-    Returns the DPO model as a :class:`Loaded` on ``lm``'s device (named ``<base>-dpo-<key>``) and
-    the training log (step, loss, reward_margin, ...). Cached as a saved model folder (written
-    atomically) and reloaded with :func:`lib.models.load`. The folder also keeps the weights after
-    ``steps // 2`` steps (:func:`dpo_halfway` reads them: half a run without a second run).
-    """
-    target = _dpo_folder(lm, pairs, steps, lr, beta, seed, batch_size)
-    half = max(1, steps // 2)
-
-    if not (target / "config.json").exists():
-        def save(_, folder: Path):
-            folder.mkdir(parents=True)
-            repro.setup(seed, grad=True)
-            with repro.library_bars(progress):  # TRL's dataset preparation, transformers' shard writing
-                try:
-                    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        model, log, kept = _run_dpo(lm, pairs, steps, lr, beta, seed, batch_size, progress, Path(tmp),
-                                                    keep_at=half)
-                finally:
-                    torch.set_grad_enabled(False)
-                model.eval()
-                model.save_pretrained(folder)
-                lm.tokenizer.save_pretrained(folder)
-                model.load_state_dict(kept)  # the same model object, now with the weights after step `half`
-                model.save_pretrained(folder / HALFWAY)
-                lm.tokenizer.save_pretrained(folder / HALFWAY)
-            log.to_csv(folder / "training_log.csv", index=False)
-            (folder / "SOURCE.txt").write_text(f"DPO (TRL DPOTrainer) of {lm.name}; {HALFWAY}/: the weights after "
-                                               f"step {half}; params {json.dumps(_dpo_params(lm, pairs, steps, lr, beta, seed, batch_size))}\n")
-        cache.atomic_save(None, target, save, keep_existing=True)  # 02 and 03 may train it side by side
-    return _load_dpo(lm, target, progress), pd.read_csv(target / "training_log.csv")
+    """:func:`dpo_run`'s model (named ``<base>-dpo-<key>``, loaded on first use) and training log."""
+    run = dpo_run(lm, pairs, steps, lr, beta, seed, progress, batch_size)
+    return run.model, run.log
 
 
 HALFWAY = "halfway"  # the subfolder of a DPO run's cache folder with its weights after half the steps
@@ -502,15 +558,16 @@ def _load_dpo(lm: Loaded, folder: Path, progress: bool, suffix: str = "") -> Loa
 def dpo_halfway(lm: Loaded, pairs: pd.DataFrame, steps: int = DEFAULTS["dpo_steps"], lr: float = DEFAULTS["dpo_lr"],
                 beta: float = DEFAULTS["beta"], seed: int = 0, progress: bool = True,
                 batch_size: int = DEFAULTS["dpo_batch_size"]) -> tuple[Loaded, pd.DataFrame]:
-    """The run of :func:`train_dpo` with these arguments as it stood after ``steps // 2`` of its steps (kept in
-    its cache folder; the run is trained first when it is not cached): the model (named ``...-halfway``) and the
-    first ``steps // 2`` rows of its log. Not the same as a run of ``steps // 2`` steps: the learning rate's
-    warm-up is 10% of the whole run's steps."""
-    train_dpo(lm, pairs, steps, lr, beta, seed, progress, batch_size)  # cached: trains only when missing
+    """The run of :func:`dpo_run` with these arguments as it stood after ``steps // 2`` of its steps (kept in
+    its cache folder; the run is trained first when it is not cached): the model (named ``...-halfway``, loaded
+    on first use) and the first ``steps // 2`` rows of its log. Not the same as a run of ``steps // 2`` steps:
+    the learning rate's warm-up is 10% of the whole run's steps."""
+    run = dpo_run(lm, pairs, steps, lr, beta, seed, progress, batch_size)
     folder = _dpo_folder(lm, pairs, steps, lr, beta, seed, batch_size)
-    half = max(1, steps // 2)
-    log = pd.read_csv(folder / "training_log.csv")
-    return _load_dpo(lm, folder / HALFWAY, progress, suffix="-halfway"), log[log.step <= half].reset_index(drop=True)
+    model = models.LazyLoaded(dataclasses.replace(lm.spec, name=f"{run.model.name}-halfway"), lm.device, lambda: _load_dpo(
+        lm, _train_dpo(lm, pairs, steps, lr, beta, seed, progress, batch_size, folder) / HALFWAY, progress,
+        suffix="-halfway"), path=folder / HALFWAY, device_map=lm.device_map)
+    return model, run.log[run.log.step <= run.halfway].reset_index(drop=True)
 
 
 def base_and_dpo(model_name: str, device: str = "auto", seed: int = 0, progress: bool = True,
@@ -652,16 +709,25 @@ def prompt_sets(prompts: str, n_prompts: int, n_stats_prompts: int = 0,
             raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
     if not prompts:
         n_challenge = len(data.challenge_prompts())
-        if n_stats_prompts and not n_prompts <= stats_offset <= n_challenge - n_stats_prompts:
-            raise ValueError(f"stats_offset must lie in n_prompts..{n_challenge} - n_stats_prompts, so statistics and "
-                             f"evaluation prompts do not overlap; got {stats_offset!r}")
+        if n_prompts > n_challenge:
+            raise ValueError(f"n_prompts must be at most {n_challenge} (the challenge prompts in data/), got {n_prompts}")
+        if n_stats_prompts and not n_prompts <= stats_offset < n_challenge:
+            raise ValueError(f"stats_offset must lie in {n_prompts}..{n_challenge - 1} (from n_prompts on, so statistics and "
+                             f"evaluation prompts do not overlap; {n_challenge} challenge prompts), got {stats_offset!r}")
+        if n_stats_prompts and n_stats_prompts > n_challenge - stats_offset:
+            lower = "" if stats_offset == n_prompts else (
+                f"; a lower stats_offset{f' (at least n_prompts = {n_prompts})' if n_prompts else ''} leaves up to "
+                f"{n_challenge - n_prompts}")
+            raise ValueError(f"n_stats_prompts must be at most {n_challenge - stats_offset}: there are {n_challenge} challenge "
+                             f"prompts and the statistics start at stats_offset = {stats_offset}{lower}; got {n_stats_prompts}")
         stats = data.challenge_prompts(stats_offset + n_stats_prompts)[stats_offset:] if n_stats_prompts else []
         return data.challenge_prompts(n_prompts) if n_prompts else [], stats
     texts = read_prompts(prompts)
-    need = max(n_prompts, n_stats_prompts)
-    if len(texts) < need:
-        raise ValueError(f"{prompts} holds {len(texts)} prompts, but n_prompts = {n_prompts} and n_stats_prompts = "
-                         f"{n_stats_prompts} ask for {need}: add prompts or lower them (-p n_prompts ...)")
+    short = {k: v for k, v in (("n_prompts", n_prompts), ("n_stats_prompts", n_stats_prompts)) if v > len(texts)}
+    if short:  # 04 scores no prompts (n_prompts 0 here); 02 sets n_prompts in overrides, 03 as its own parameter
+        raise ValueError(f"{prompts} holds {len(texts)} prompts, but {' and '.join(f'{k} = {v}' for k, v in short.items())} "
+                         f"ask{'s' if len(short) == 1 else ''} for more: add prompts, or set {' and '.join(short)} to at most "
+                         f"{len(texts)} (a parameter of the notebook, else a key of overrides)")
     return texts[:n_prompts], texts[:n_stats_prompts]
 
 
@@ -1009,7 +1075,7 @@ def validate_directions(lm: Loaded, probe: Probe, scorer: str = "auto", seed: in
     Requiring both tests (each at the 5% level) keeps the chance that a direction with no toxicity
     content passes below about 1 in 400 for each candidate. Cached per model, probe and settings.
     """
-    from lib import relations, stats
+    from lib import stats
 
     unknown = set(overrides) - set(GATE)
     if unknown:
@@ -1065,7 +1131,7 @@ def validate_directions(lm: Loaded, probe: Probe, scorer: str = "auto", seed: in
             est = stats.paired_bootstrap(cand[k], t0, seed=seed) if sign > 0 else stats.paired_bootstrap(t0, cand[k], seed=seed)
             ctl = stats.against_controls(est.value, rand, name=f"{len(rand)} random directions")
             top = top_aligned(hooks.cosine_with(vv, vec).cpu(), s["n_neurons"])
-            sets = [relations.random_neurons(top, lm.info.n_layers, lm.info.d_mlp, seed=seed + j)
+            sets = [hooks.random_neurons(top, lm.info.n_layers, lm.info.d_mlp, seed=seed + j)
                     for j in range(s["n_neuron_sets"])]
             tox_sets = neuron_token_toxicity(lm, np.concatenate(sets), s["top_k_tokens"], scorer,
                                              value_vectors=vv).reshape(len(sets), -1)
@@ -1413,3 +1479,23 @@ store.step("toxicity-perplexity-f1", 1, "one model's toxicity, perplexity and F1
            _compare_evaluation)
 store.step("evaluation", 1, "one model under one intervention: toxicity per prompt with its continuations, "
            "perplexity, F1", _compare_evaluation)
+# A DPO run trained again on another CPU follows another float path: its loss over the last quarter of the steps
+# may differ by this fraction of the committed one, and so may the mean relative change of W_out.
+DPO_TOLERANCE = 0.05
+
+
+def _compare_dpo_run(c: dict, f: dict) -> list:
+    """A DPO run: the mean loss over the last quarter of its steps and the mean relative change of W_out within
+    DPO_TOLERANCE of the committed ones; the number of weight tensors changed, reported."""
+    q = max(1, len(c["log"]) // 4)
+    lc, lf = float(c["log"].loss.iloc[-q:].mean()), float(f["log"].loss.iloc[-q:].mean())
+    wc, wf = float(np.mean(c["w_out_change"])), float(np.mean(f["w_out_change"]))
+    return [store.within(f"mean loss over the last {q} steps", lc, lf, DPO_TOLERANCE * abs(lc),
+                         f"{DPO_TOLERANCE:.0%} of the committed value"),
+            store.within("mean relative change of W_out", wc, wf, DPO_TOLERANCE * abs(wc),
+                         f"{DPO_TOLERANCE:.0%} of the committed value"),
+            store.info("weight tensors changed", c["changed_tensors"], f["changed_tensors"], "reported")]
+
+
+store.step("dpo-run", 1, "paper A: one DPO run: its training log and how much each layer's W_out moved (the "
+           "weights stay in the cache)", _compare_dpo_run)

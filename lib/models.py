@@ -335,6 +335,37 @@ class Loaded:
         return self.model.base_model.get_submodule(self.info.attention.format(L=self.info.check_layer(layer)))
 
 
+class LazyLoaded(Loaded):
+    """A :class:`Loaded` known by name before its weights are read: ``model``, ``tokenizer`` and ``info`` call
+    ``load()`` (which returns the real :class:`Loaded`) on first use. For a model whose measurements are
+    committed records (a fine-tuned copy): a notebook that only reads its records never loads, or trains, it."""
+
+    def __init__(self, spec: ModelSpec, device: str, load, path: Path | None = None, device_map=None):
+        self.spec, self.device, self.path, self.device_map = spec, device, path, device_map
+        self._load, self._real = load, None
+
+    def _loaded(self) -> Loaded:
+        if self._real is None:
+            self._real = self._load()
+            self._real.spec = self.spec
+            self._real.info.name = self.spec.name
+        return self._real
+
+    @property
+    def is_loaded(self) -> bool:
+        return self._real is not None
+
+    model = property(lambda self: self._loaded().model)
+    tokenizer = property(lambda self: self._loaded().tokenizer)
+    info = property(lambda self: self._loaded().info)
+
+    def __repr__(self) -> str:
+        return f"LazyLoaded({self.name!r}, {'loaded' if self.is_loaded else 'not loaded yet'})"
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+
 def _prepare_tokenizer(tok, kind: str):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token

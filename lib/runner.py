@@ -46,8 +46,8 @@ NUMBERED = re.compile(r"^\d\d_[a-z0-9_]+\.ipynb$")
 NEEDS = {
     # paper A: probe -> preference pairs + DPO model -> neuron statistics -> patching / editing
     "02": ["01"],        # DPO pairs are scored with 01's toxicity probe
-    # 03 dissects the first DPO run only (02 trains three): it trains that run itself (lib.dpo.train_dpo,
-    # cached) beside 02, which trains its other seeds first, so neither waits for the other
+    # 02 reads its three DPO runs' records; 03 dissects the first run's weights (lib.dpo.dpo_run: trained where the
+    # cache lacks them, then cached for 04-06)
     "03": ["01"],        # toxic neurons vs the DPO model's change; builds the activation statistics
     "04": ["03"],        # four neuron groups: 03's DPO model and activation statistics
     "05": ["03"],        # group patching replicates DPO: the same model and statistics
@@ -125,9 +125,12 @@ def params_settings(model_name: str) -> dict:
 
 
 def run(notebook: Path, model_name: str | None = None, extra: dict | None = None, device: str | None = None,
-        atomic: bool = False, device_map: str | None = None) -> dict:
+        atomic: bool = False, device_map: str | None = None, publish: bool = True) -> dict:
     """Execute one notebook in a child process (its default model unless ``model_name``);
     return its timing record.
+
+    publish: the run writes the published figures and ledger records (``lib.paths.PUBLISH_ENV``) when its
+    parameters are the published ones; False: to its run folder, like any run by hand.
 
     atomic: write to a temporary name and rename on success (failure: <notebook>.failed.ipynb).
     device_map: exported as COMPENDIUM_DEVICE_MAP (default: params/<model>.yaml's ``device_map``).
@@ -151,6 +154,9 @@ def run(notebook: Path, model_name: str | None = None, extra: dict | None = None
     for k, v in (extra or {}).items():
         cmd += ["-p", k, str(v)]
     env = {**os.environ, **repro.quiet_env()}  # stored outputs carry no progress bars
+    env.pop(paths.PUBLISH_ENV, None)
+    if publish:
+        env[paths.PUBLISH_ENV] = "1"
     device_map = device_map or params_settings(model_name).get("device_map")
     if device_map:
         env["COMPENDIUM_DEVICE_MAP"] = str(device_map)
@@ -718,10 +724,10 @@ def student_copies(notebooks: list[Path], out_dir: Path) -> list[Path]:
     return written
 
 
-def claims(model_name: str) -> Path:
+def claims(model_name: str, notebooks: list[str] | None = None) -> Path:
     from lib.results import write_claims
 
-    return write_claims(model_name)
+    return write_claims(model_name, notebooks)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -736,8 +742,11 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--atomic", action="store_true",
                    help="write under a temporary name, rename on success (failure: <nb>.failed.ipynb)")
     r.add_argument("--device-map", default=None, help="e.g. auto: spread the model over the GPUs")
+    r.add_argument("--no-publish", action="store_true",
+                   help="write figures and ledger records to the run folder, not the published ones")
     c = sub.add_parser("claims", help="write results/<model>/claims.md")
     c.add_argument("--model", default="smollm2-135m")
+    c.add_argument("--notebooks", default=None, help="merge only these notebooks' records (e.g. 04,05)")
     m = sub.add_parser("merge", help="write results/claims.md: findings x models")
     m.add_argument("--models", nargs="*", default=None, help="columns, in order (default: every model with records)")
     rc = sub.add_parser("recover", help="remove a killed run's stale Snakemake lock and .partial notebooks")
@@ -804,7 +813,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(1)
     elif args.cmd == "run":
         print(json.dumps(run(Path(args.notebook), args.model, device=args.device, atomic=args.atomic,
-                             device_map=args.device_map)))
+                             device_map=args.device_map, publish=not args.no_publish)))
     elif args.cmd == "merge":
         from lib.results import merge_claims
 
@@ -818,7 +827,7 @@ def main(argv: list[str] | None = None) -> None:
         for m in sorted(set(seen)):
             print(claims(m))
     else:
-        print(claims(args.model))
+        print(claims(args.model, [n.strip() for n in args.notebooks.split(",") if n.strip()] if args.notebooks else None))
 
 
 if __name__ == "__main__":

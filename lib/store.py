@@ -372,7 +372,7 @@ def _notebook_command(model_name: str) -> str:
 
     run = params.current()
     nb = run.notebook[:2] if run is not None else None
-    model = "" if run is not None and run.published and paths.slug(run.model_name) == paths.slug(model_name) \
+    model = "" if run is not None and not run.overrides and paths.slug(run.model_name) == paths.slug(model_name) \
         and _is_default_model(run.notebook, model_name) else f" MODEL={model_name}"
     return f"make reproduce{model}" + (f" NOTEBOOKS={nb}" if nb else "")
 
@@ -388,20 +388,22 @@ def _is_default_model(notebook: str, model_name: str) -> bool:
 
 def measure(step_name: str, model_name: str, params: dict, build: Callable[[], Any], *,
             to_record: Callable[[Any], Any] | None = None, from_record: Callable[[Any], Any] | None = None,
-            device: str | None = None, inputs: Any = None) -> Any:
+            device: str | None = None, inputs: Any = None, produces: str | None = None) -> Any:
     """The measurement of ``step_name`` (declared with :func:`step`) for ``model_name`` with ``params``:
     read from its record, or computed by ``build()`` and written (see the module's text for the modes and
     the audit). ``inputs``: data the step reads, hashed into the key (:func:`lib.cache.content_hash`);
     data may also sit in ``params`` as its own content hash. ``to_record`` turns what ``build`` returns into
     what the record keeps (numbers, text, lists, dicts, arrays, frames); ``from_record`` turns it back.
-    Returns ``from_record(record)``, so a computed and a read measurement look alike."""
+    Returns ``from_record(record)``, so a computed and a read measurement look alike. ``produces``: the name of
+    a model this step makes (a fine-tuning run), kept in the provenance: the audit's plan adds this record's wall
+    time to the cost of every record that measures that model (recomputing one may mean training it again)."""
     return measure_many(step_name, model_name, [params], lambda idx: [build()], to_record=to_record,
-                        from_record=from_record, device=device, inputs=inputs)[0]
+                        from_record=from_record, device=device, inputs=inputs, produces=produces)[0]
 
 
 def measure_many(step_name: str, model_name: str, params_list: list[dict], build_many: Callable[[list[int]], list],
                  *, to_record: Callable[[Any], Any] | None = None, from_record: Callable[[Any], Any] | None = None,
-                 device: str | None = None, inputs: Any = None) -> list:
+                 device: str | None = None, inputs: Any = None, produces: str | None = None) -> list:
     """:func:`measure` for several records of one step at once: ``build_many(indices)`` computes the
     measurements of ``params_list[i]`` for those indices in one go (e.g. one batched generation), called
     once for all missing records; each is written as its own record (the batch's wall time shared out)."""
@@ -441,6 +443,8 @@ def measure_many(step_name: str, model_name: str, params_list: list[dict], build
         if len(built) != len(missing):
             raise RuntimeError(f"{step_name}: build_many returned {len(built)} results for {len(missing)} records")
         prov = provenance((time.perf_counter() - t0) / len(missing), device)
+        if produces:
+            prov["produces"] = produces
         for i, obj in zip(missing, built):
             path = write(model_name, step_name, keys[i], params_list[i], st.version, to_record(obj), prov)
             out[i] = from_record(decode(read(path)["data"]))  # what a later run reads: exactly the same objects
@@ -471,10 +475,23 @@ def _planned(path: Path) -> bool:
     return rid in _audit_plan() and rid not in _audited()
 
 
+_AUDITING = [False]
+
+
+def auditing() -> bool:
+    """True while the audit recomputes a record: a build that could reuse a local artifact (a trained model in
+    :mod:`lib.cache`) measures from scratch instead, so the audit compares a new measurement, not a copy."""
+    return _AUDITING[0]
+
+
 def _audit(path: Path, st: Step, committed: Any, build: Callable[[], Any], to_record: Callable) -> None:
     """Recompute a planned record, compare it with the committed one, log it, and raise beyond tolerance."""
     t0 = time.perf_counter()
-    fresh = decode(encode(to_record(build())))
+    _AUDITING[0] = True
+    try:
+        fresh = decode(encode(to_record(build())))
+    finally:
+        _AUDITING[0] = False
     wall = time.perf_counter() - t0
     checks = st.compare(committed, fresh) if st.compare else [_equal_check(committed, fresh)]
     entry = {"record": record_id(path), "step": st.name, "cpu": cpu_model(), "wall_s": round(wall, 1),
@@ -533,31 +550,53 @@ def inventory(model_names: list[str] | None = None) -> list[dict]:
             prov = doc.get("provenance", {})
             out.append({"record": record_id(p), "model": doc.get("model", m), "step": doc["step"], "bytes": p.stat().st_size,
                         "wall_s": prov.get("wall_s", 0.0), "notebook": prov.get("notebook"), "cpu": prov.get("cpu"),
-                        "commit": prov.get("commit"), "date": prov.get("date")})
+                        "commit": prov.get("commit"), "date": prov.get("date"), "produces": prov.get("produces"),
+                        "names": sorted(_strings(doc.get("params", {})))})
     return out
+
+
+def _strings(obj) -> set:
+    """Every text value in a record's parameters (the names of the models it measured among them)."""
+    if isinstance(obj, str):
+        return {obj}
+    if isinstance(obj, dict):
+        return set().union(*map(_strings, obj.values())) if obj else set()
+    if isinstance(obj, list):
+        return set().union(*map(_strings, obj)) if obj else set()
+    return set()
+
+
+def _costs(rows: list[dict]) -> dict:
+    """Seconds to recompute each record: its own wall time, plus that of every record that produced a model it
+    measures (a fine-tuned model the audit's machine may have to train first)."""
+    made = {r["produces"]: r["wall_s"] for r in rows if r.get("produces")}
+    def measures(r: dict, name: str) -> bool:  # the model itself or a named stage of it ('<name>-halfway')
+        return name != r.get("produces") and any(n == name or n.startswith(name + "-") for n in r["names"])
+    return {r["record"]: r["wall_s"] + sum(w for name, w in made.items() if measures(r, name)) for r in rows}
 
 
 def plan(seed: str, budget_s: float = 600.0, model_names: list[str] | None = None,
          notebooks: list[str] | None = None) -> dict:
     """A seeded sample of committed records to recompute: one of each step (the first in an order that the
-    seed shuffles, preferring records whose recorded wall time fits the budget), then more in that order while
-    their recorded wall times fit ``budget_s``. ``notebooks``: only records built by these notebooks (stems or
+    seed shuffles, preferring records whose cost fits the budget), then more in that order while their costs fit
+    ``budget_s`` (a record's cost: its recorded wall time plus that of the run that produced a model it measures). ``notebooks``: only records built by these notebooks (stems or
     two-digit numbers). Returns {"seed", "budget_s", "records": [paths], "estimate_s"}."""
     rows = inventory(model_names)
     if notebooks is not None:
         keep = {n[:2] for n in notebooks}
         rows = [r for r in rows if (r["notebook"] or "")[:2] in keep]
+    cost = _costs(inventory(model_names))  # a producer may sit in another notebook's records
     order = sorted(rows, key=lambda r: hashlib.sha256(f"{seed}:{r['record']}".encode()).hexdigest())
     chosen, spent = [], 0.0
     for s in sorted({r["step"] for r in rows}):
         of_step = [r for r in order if r["step"] == s]
-        fits = [r for r in of_step if spent + r["wall_s"] <= budget_s] or sorted(of_step, key=lambda r: r["wall_s"])
+        fits = [r for r in of_step if spent + cost[r["record"]] <= budget_s] or sorted(of_step, key=lambda r: cost[r["record"]])
         chosen.append(fits[0])
-        spent += fits[0]["wall_s"]
+        spent += cost[fits[0]["record"]]
     for r in order:
-        if r not in chosen and spent + r["wall_s"] < budget_s:
+        if r not in chosen and spent + cost[r["record"]] < budget_s:
             chosen.append(r)
-            spent += r["wall_s"]
+            spent += cost[r["record"]]
     return {"seed": seed, "budget_s": budget_s, "records": sorted(r["record"] for r in chosen),
             "estimate_s": round(spent, 1), "notebooks": sorted({r["notebook"] for r in chosen if r["notebook"]})}
 

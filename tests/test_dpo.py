@@ -168,6 +168,41 @@ def test_dpo_two_steps_change_weights_and_cache_hit_reloads_them(llama, monkeypa
         torch.testing.assert_close(v, new[k])
 
 
+def test_dpo_run_is_a_record_and_its_weights_are_trained_only_when_used(llama, monkeypatch):
+    """A DPO run's log and weight change are a record: read back with an empty cache and in strict mode, nothing
+    trains; the model is known by name and trains (into the cache) on its first use; the audit's recomputation
+    trains again from scratch even when the cache holds the weights."""
+    import shutil
+
+    import pandas as pd
+
+    from lib import store
+
+    pairs = pd.DataFrame({"prompt": ["the cat sat", "a river runs", "one two", "green house"],
+                          "chosen": [" on the mat", " to the sea", " three four", " on the hill"],
+                          "rejected": [" zebra engine", " thunder marble", " quantum violet", " engine zebra"]})
+    first = dpo.dpo_run(llama, pairs, steps=2, lr=1e-3, seed=0, progress=False, batch_size=2)
+    assert first.changed_tensors > 0 and first.n_tensors >= first.changed_tensors
+    assert first.w_out_change.shape == (llama.info.n_layers,) and (first.w_out_change > 0).any()
+    shutil.rmtree(dpo._dpo_folder(llama, pairs, 2, 1e-3, 0.1, 0, 2))  # the weights are gone, the record stays
+    calls = []
+    real = dpo._run_dpo
+    monkeypatch.setattr(dpo, "_run_dpo", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with monkeypatch.context() as m:
+        m.setenv(store.RECORDS_ENV, "strict")
+        again = dpo.dpo_run(llama, pairs, steps=2, lr=1e-3, seed=0, progress=False, batch_size=2)
+        pd.testing.assert_frame_equal(again.log, first.log)
+        assert again.model.name == first.model.name and not again.model.is_loaded and not calls
+        assert again.model.info.n_layers == llama.info.n_layers and calls == [1]  # first use: trained, cached
+        dpo.dpo_run(llama, pairs, steps=2, lr=1e-3, seed=0, progress=False, batch_size=2).model.model
+        assert calls == [1]  # read from the cache
+    monkeypatch.setattr(store, "_AUDITING", [True])
+    fresh = dpo._train_dpo(llama, pairs, 2, 1e-3, 0.1, 0, False, 2, dpo._dpo_folder(llama, pairs, 2, 1e-3, 0.1, 0, 2),
+                           fresh=store.auditing())
+    assert calls == [1, 1] and "dpo-audit-" in str(fresh)
+    shutil.rmtree(fresh.parent)
+
+
 def test_dpo_halfway_is_the_run_after_half_its_steps(llama, monkeypatch, tmp_path):
     """dpo_halfway reads the weights a run kept after steps // 2 of its steps: the weights of a run stopped
     there (4 steps and 2 steps share their warm-up of one step and their first batches), different from the
@@ -427,7 +462,7 @@ def test_read_prompts_and_prompt_sets(tmp_path):
     assert dpo.read_prompts(f) == ["So I told him", "The weather today", "My neighbour is", "What I really think"]
     ev, st = dpo.prompt_sets(str(f), n_prompts=3, n_stats_prompts=2)
     assert ev == ["So I told him", "The weather today", "My neighbour is"] and st == ["So I told him", "The weather today"]
-    with pytest.raises(ValueError, match="holds 4 prompts.*ask for 5"):
+    with pytest.raises(ValueError, match="holds 4 prompts, but n_prompts = 5 asks for more"):
         dpo.prompt_sets(str(f), n_prompts=5, n_stats_prompts=2)
     # the default: the challenge prompts, statistics from stats_offset on, disjoint from the scored ones
     ev, st = dpo.prompt_sets("", n_prompts=4, n_stats_prompts=3, stats_offset=10)
@@ -443,6 +478,48 @@ def test_read_prompts_and_prompt_sets(tmp_path):
             dpo.read_prompts(bad)
     with pytest.raises(FileNotFoundError, match="Your own prompts"):
         dpo.read_prompts(tmp_path / "missing.jsonl")
+
+
+def test_prompt_files_that_are_not_utf8_name_the_line(tmp_path):
+    f = tmp_path / "mine.jsonl"
+    f.write_bytes(b'{"text": "So I told him"}\n{"text": "na\xefve"}\n')
+    with pytest.raises(ValueError) as e:
+        dpo.read_prompts(f)
+    assert str(e.value).startswith("mine.jsonl line 2: not UTF-8 text (byte 0xef at byte 13 of the line)")
+
+
+def test_too_many_statistics_prompts_blame_n_stats_prompts():
+    """More statistics prompts than the challenge prompts hold: the error names n_stats_prompts, its largest
+    value and how many prompts there are (not stats_offset, which the user did not set)."""
+    from lib import data
+
+    n = len(data.challenge_prompts())
+    with pytest.raises(ValueError) as e:
+        dpo.prompt_sets("", n_prompts=64, n_stats_prompts=100000, stats_offset=600)
+    assert str(e.value) == (f"n_stats_prompts must be at most {n - 600}: there are {n} challenge prompts and the "
+                            f"statistics start at stats_offset = 600; a lower stats_offset (at least n_prompts = 64) "
+                            f"leaves up to {n - 64}; got 100000")
+    for evaluation in (True, False):  # through paper A's setup (02-06; 04 scores no prompts), before anything loads
+        with pytest.raises(ValueError, match=r"^n_stats_prompts must be at most \d+: there are \d+ challenge prompts"):
+            dpo.setup("smollm2-135m", "cpu", overrides={"n_stats_prompts": 100000}, evaluation=evaluation)
+    with pytest.raises(ValueError, match=r"^n_prompts must be at most \d+ \(the challenge prompts"):
+        dpo.prompt_sets("", n_prompts=100000)
+    assert len(dpo.prompt_sets("", n_prompts=64, n_stats_prompts=n - 64, stats_offset=64)[1]) == n - 64
+
+
+def test_a_short_prompt_file_names_only_the_sizes_that_ask_for_more(tmp_path):
+    """04 takes statistics only (n_prompts 0 there) and has no parameter n_prompts: the hint names n_stats_prompts."""
+    f = tmp_path / "mine.jsonl"
+    f.write_text("".join(f'{{"text": "Prompt {i}"}}\n' for i in range(6)))
+    with pytest.raises(ValueError) as e:
+        dpo.prompt_sets(str(f), n_prompts=0, n_stats_prompts=40)
+    msg = str(e.value)
+    assert msg.endswith("holds 6 prompts, but n_stats_prompts = 40 asks for more: add prompts, or set n_stats_prompts "
+                        "to at most 6 (a parameter of the notebook, else a key of overrides)")
+    assert "n_prompts" not in msg.replace("n_stats_prompts", "")
+    with pytest.raises(ValueError, match="n_prompts = 7 and n_stats_prompts = 8 ask for more: add prompts, or set "
+                                         "n_prompts and n_stats_prompts to at most 6"):
+        dpo.prompt_sets(str(f), n_prompts=7, n_stats_prompts=8)
 
 
 def test_evaluate_scores_the_users_prompts_and_keys_the_cache_by_them(llama, tmp_path):

@@ -211,3 +211,20 @@ def test_evaluation_records_are_keyed_by_the_intervention(own_store):
     each = dpo.evaluate_each(lm, [table, table.assign(value=4.0), table.assign(value=5.0)], **kw)
     assert each[0] == a and each[1] == b
     assert len(sorted((own_store / lm.name / "measurements" / "evaluation").glob("*.json*"))) == 3
+
+
+def test_plan_counts_the_training_of_a_model_a_record_measures(toy_step):
+    """A record measuring a fine-tuned model costs its own time plus the run that made the model (the audit's
+    machine may train it first): the plan's budget sees both."""
+    store.measure("toy", "m", {"x": 1}, lambda: 1.0, produces="m-tuned-abc")
+    store.measure("toy", "m", {"model": "m-tuned-abc", "x": 2}, lambda: 2.0)
+    store.measure("toy", "m", {"model": "m-tuned-abc-halfway", "x": 3}, lambda: 3.0)
+    store.measure("toy", "m", {"model": "m", "x": 4}, lambda: 4.0)
+    for p in store.folder("m").glob("toy/*.json"):  # give every record a known wall time
+        doc = json.loads(p.read_text())
+        doc["provenance"]["wall_s"] = 100.0 if doc["provenance"].get("produces") else 1.0
+        p.write_text(json.dumps(doc))
+    rows = store.inventory(["m"])
+    cost = store._costs(rows)
+    by_x = {json.loads((store.root() / r["record"]).read_text())["params"]["x"]: cost[r["record"]] for r in rows}
+    assert by_x == {1: 100.0, 2: 101.0, 3: 101.0, 4: 1.0}

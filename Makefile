@@ -12,8 +12,19 @@ KERNEL_CFG := $(VENV)/etc/ipython/ipython_kernel_config.py
 .DEFAULT_GOAL := help
 .PHONY: help setup reproduce test test-lib test-notebooks test-stability audit manifest claims clean-results workflow-dry-run bench site test-site student
 
-help: ## list the targets
+help: ## list the targets and the variables they read
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
+	@echo "variables (make <target> NAME=value):"
+	@printf "  %-21s %s\n" \
+	  "MODEL=<name>" "reproduce: that model's grid (a name, a Hugging Face id, papers or all: config/models.yaml; default: each notebook's own model); claims: that model" \
+	  "DEVICE=cpu|cuda" "reproduce, bench: where the models run (default: cuda when present, else cpu)" \
+	  "NOTEBOOKS=01,02" "reproduce, test-notebooks, audit, test-stability, student: only these notebooks" \
+	  "FRESH=1" "reproduce: every record measured again and every notebook re-run" \
+	  "CORES=N" "reproduce: cores Snakemake may use (default: all)" \
+	  "JOB_THREADS=N" "reproduce: threads per notebook job (default $(JOB_THREADS))" \
+	  "WORKERS=N" "test, test-notebooks: jobs at a time (default: COMPENDIUM_THREADS)" \
+	  "AUDIT_BUDGET=S" "audit: seconds of recorded wall time to recompute (default $(AUDIT_BUDGET))" \
+	  "COMPENDIUM_THREADS=N" "torch's CPU threads per process, also read from the environment (default 2); make test shares them out among WORKERS"
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +41,9 @@ $(KERNEL_CFG): $(STAMP) lib/runner.py
 setup: $(STAMP) $(KERNEL_CFG) ## create .venv, install the pinned packages, prepare the embedded models
 
 CORES  ?= all
+# threads per notebook job: 1 runs as many notebooks side by side as there are cores (on 2 cores two light
+# notebooks together finish sooner than one after the other at 2 threads each); a cluster profile sets its own
+JOB_THREADS ?= 1
 # Snakemake runs every numbered notebook x model (Snakefile, config/models.yaml); an interrupted run
 # resumes where it stopped, and only what depends on a changed notebook runs again.
 SNAKEMAKE := $(VENV)/bin/snakemake --cores $(CORES) --rerun-incomplete --printshellcmds
@@ -41,7 +55,7 @@ SNAKEMAKE := $(VENV)/bin/snakemake --cores $(CORES) --rerun-incomplete --printsh
 FRESH ?=
 reproduce: $(STAMP) $(KERNEL_CFG) ## run the notebooks through Snakemake (MODEL=<name>: that model's grid; NOTEBOOKS=01,02: a subset; FRESH=1: every record measured again)
 	$(PY) -m lib.runner recover
-	$(if $(FRESH),COMPENDIUM_RECORDS=fresh COMPENDIUM_FRESH_SINCE=$$(date -u +%Y-%m-%dT%H:%M:%S)) $(SNAKEMAKE) $(if $(FRESH),--forceall) --config run=$(or $(MODEL),default) $(if $(DEVICE),device=$(DEVICE)) $(if $(NOTEBOOKS),only='"$(NOTEBOOKS)"')
+	$(if $(FRESH),COMPENDIUM_RECORDS=fresh COMPENDIUM_FRESH_SINCE=$$(date -u +%Y-%m-%dT%H:%M:%S)) $(SNAKEMAKE) $(if $(FRESH),--forceall) --config run=$(or $(MODEL),default) job_threads=$(JOB_THREADS) $(if $(DEVICE),device=$(DEVICE)) $(if $(NOTEBOOKS),only='"$(NOTEBOOKS)"')
 	$(PY) -m lib.store manifest
 
 workflow-dry-run: $(STAMP) ## list every notebook x model job of the full grid (nothing runs)

@@ -122,7 +122,10 @@ def only_numbers(value):
 
 
 GRID = grid(config.get("run", "default"))
-if config.get("only") not in (None, "", []):  # e.g. only=01,02: these notebooks (what they need still runs first)
+# only=01,02: these notebooks alone, each reading the records and the cache (what a notebook lacks it measures
+# itself), publishing only their figures and ledger rows; the notebooks they depend on in a full run do not run
+ONLY = None
+if config.get("only") not in (None, "", []):
     ONLY = only_numbers(config["only"])
     GRID = [(m, stem) for m, stem in GRID if stem[:2] in ONLY]
 # Model names by their results/ folder (a Hugging Face id 'org/name' becomes 'org--name').
@@ -180,7 +183,7 @@ rule notebook:
     input:
         notebook=lambda wc: NOTEBOOKS[wc.nb],
         weights=ancient("results/{model}/model_dir.txt"),  # fetched once; not a reason to re-run
-        needs=lambda wc: [f"results/{wc.model}/{BY_NUMBER[d]}.ipynb" for d in needs(wc.nb[:2])],
+        needs=lambda wc: [] if ONLY else [f"results/{wc.model}/{BY_NUMBER[d]}.ipynb" for d in needs(wc.nb[:2])],
         params=lambda wc: [str(p) for p in [PARAMS_DIR / f"{wc.model}.yaml"] if p.exists()],
     output:
         "results/{model}/{nb}.ipynb",
@@ -189,7 +192,9 @@ rule notebook:
     params:
         name=lambda wc: NAMES[wc.model],
         device=f"--device {shlex.quote(str(config['device']))}" if config.get("device") else "",
-    threads: lambda wc: resources(NAMES[wc.model], "cpus_per_task") or 2
+    # config job_threads (make reproduce: 1) runs a local job at that many threads, so 2 cores run two notebooks
+    # side by side; a cluster job gets its model's cpus_per_task
+    threads: lambda wc: int(config.get("job_threads") or 0) or resources(NAMES[wc.model], "cpus_per_task") or 2
     resources:
         gpu=res("gpu", 0),
         cpus_per_task=res("cpus_per_task", 2),
@@ -197,7 +202,7 @@ rule notebook:
         runtime=res("runtime", 60),
         **EXTRA_RESOURCES,
     shell:
-        "cd {ROOT} && {PY} -m lib.runner run {input.notebook:q} --model {params.name:q} --atomic "
+        "cd {ROOT} && COMPENDIUM_THREADS={threads} {PY} -m lib.runner run {input.notebook:q} --model {params.name:q} --atomic "
         "{params.device} > {log:q} 2>&1"
 
 
@@ -209,8 +214,9 @@ rule claims:
         "results/{model}/claims.md",
     params:
         name=lambda wc: NAMES[wc.model],
+        only=f"--notebooks {','.join(sorted(ONLY))}" if ONLY else "",  # a subset publishes only its own rows
     shell:
-        "cd {ROOT} && {PY} -m lib.runner claims --model {params.name:q}"
+        "cd {ROOT} && {PY} -m lib.runner claims --model {params.name:q} {params.only}"
 
 
 rule merge_claims:

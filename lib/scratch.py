@@ -298,6 +298,25 @@ def accuracy_or_perplexity(lm: models.Loaded, enc: dict, batch_size: int = 64) -
 SCRATCH_TASKS = ("SST-2", "CoLA", "RTE", "MRPC", "multihop", "LM")
 
 
+def check_tasks(tasks, name: str = "tasks") -> list[str]:
+    """``tasks`` (a parameter of notebooks 09 and 10) as a list, checked before anything heavy runs: at least
+    one name, each in :data:`SCRATCH_TASKS`; else one line naming the parameter and the valid tasks."""
+    import difflib
+
+    tasks = [tasks] if isinstance(tasks, str) else list(tasks)
+    if not tasks:
+        raise ValueError(f"{name} is empty: name at least one task, any of {', '.join(SCRATCH_TASKS)}")
+    bad = [t for t in tasks if t not in SCRATCH_TASKS]
+    if bad:
+        by_case = {k.lower(): k for k in SCRATCH_TASKS}
+        guess = {t: [by_case[str(t).lower()]] if str(t).lower() in by_case
+                 else difflib.get_close_matches(str(t), SCRATCH_TASKS, n=1, cutoff=0.5) for t in bad}
+        raise ValueError(f"unknown {name} " + ", ".join(f"{t!r}" + (f" (did you mean {g[0]!r}?)" if g else "")
+                                                       for t, g in guess.items())
+                         + f": use any of {', '.join(SCRATCH_TASKS)}")
+    return tasks
+
+
 def task_source(task: str):
     """The raw (train, dev) data of a from-scratch task. GLUE: the 1,000-row train sample and the GLUE
     dev set (DataFrames); 'multihop': 1,000 / 500 synthetic examples; 'LM': Wikipedia prompt+gold text

@@ -34,3 +34,16 @@ def test_missing_file_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setattr(data, "DATA", tmp_path)
     with pytest.raises(FileNotFoundError, match="make_data.py"):
         data.challenge_prompts()
+
+
+def test_a_users_file_that_is_not_utf8_names_the_file_and_line(tmp_path):
+    """A Latin-1 byte in a user's JSONL file (facts or prompts): one line naming the file, the line and the byte,
+    not a UnicodeDecodeError with an offset into the whole file."""
+    f = tmp_path / "mine.jsonl"
+    f.write_bytes(b'{"text": "ok"}\r\n\n{"text": "caf\xe9 au lait"}\n')
+    with pytest.raises(ValueError) as e:
+        data.user_jsonl(f, "prompts", "Your own prompts")
+    assert str(e.value) == ("mine.jsonl line 3: not UTF-8 text (byte 0xe9 at byte 14 of the line); "
+                            "save the file as UTF-8")
+    f.write_bytes('{"text": "café"}\n'.encode("utf-8"))
+    assert data.user_jsonl(f, "prompts", "Your own prompts") == [(1, {"text": "café"})]

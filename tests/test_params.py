@@ -44,6 +44,7 @@ def tiny(tmp_path, monkeypatch):
         monkeypatch.setattr(paths, name, tmp_path / name.lower())
     monkeypatch.setattr(paths, "ROOT", tmp_path)
     monkeypatch.delenv(paths.OUTPUTS_ENV, raising=False)  # the published and run folders of this scratch project
+    monkeypatch.setenv(paths.PUBLISH_ENV, "1")  # a publishing run (make reproduce's) unless a test says otherwise
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     for stem in ("11_tiny", "08_tiny"):
@@ -174,6 +175,22 @@ def test_published_settings_include_the_models_params_file(tiny):
     assert execute_to_check("11_tiny", {"device_map": "auto"})["run"].overrides == {"n_texts": 8}
     with pytest.raises(ValueError, match="unknown parameter 'device_map' for 11_tiny: did you mean 'device'"):
         execute_to_check("11_tiny", {"model_name": "no-params-file", "device_map": "auto"})
+
+
+def test_a_default_run_that_does_not_publish_writes_to_its_run_folder(tiny, monkeypatch, capsys):
+    """Papermill or Jupyter by hand at the published parameters: figures and ledger records go to
+    results/<model>/runs/default/, never to the published folders (only make reproduce publishes)."""
+    import matplotlib.pyplot as plt
+
+    monkeypatch.delenv(paths.PUBLISH_ENV)
+    run = execute_to_check("08_tiny", {})["run"]
+    assert not run.published and run.key == "default" and run.overrides == {}
+    assert "make reproduce NOTEBOOKS=08 publishes" in capsys.readouterr().out
+    fig = plt.figure()
+    path = plotting.save(fig, "tiny-model", "08_demo")
+    assert path == tiny / "results" / "tiny-model" / "runs" / "default" / "figures" / "08_demo.png"
+    assert not (tiny / "figures" / "tiny-model").exists() or not any((tiny / "figures" / "tiny-model").iterdir())
+    plt.close(fig)
 
 
 def test_plotting_save_of_an_adhoc_run_goes_to_its_run_folder(tiny):
@@ -316,3 +333,43 @@ def test_papermill_run_with_a_misspelled_parameter_fails_at_the_check(tmp_path):
                                    kernel_name="python3")
     assert e.value.ename == "ValueError"
     assert e.value.evalue.startswith("unknown parameter 'n_txets' for 00_tour: did you mean 'n_texts'?")
+
+
+def test_tour_sizes_beyond_the_data_or_the_model_stop_at_the_check(tmp_path):
+    """00's n_texts beyond the Wikipedia prompts in data/ (once quietly capped) and top_k_tokens or n_neurons
+    beyond the model (once a RuntimeError deep in the run): one line at params.check, naming the largest value.
+    The model's bounds come from its config.json (here a local folder holding only that)."""
+    from lib import data
+
+    n_wiki = len(data.wiki_samples())
+    with pytest.raises(ValueError) as e:
+        execute_to_check("00_tour", {"n_texts": 100000})
+    assert one_line_error(e) == (f"n_texts must be at most {n_wiki} (the Wikipedia prompts in "
+                                 "data/lee2024/wiki_samples.jsonl), got 100000")
+    folder = tmp_path / "small-gpt2"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 100, "n_layer": 2, "n_embd": 8}))
+    with pytest.raises(ValueError) as e:
+        execute_to_check("00_tour", {"model_name": str(folder), "top_k_tokens": 10000000})
+    assert one_line_error(e) == f"top_k_tokens must be at most 100 (the vocabulary of {folder}), got 10000000"
+    with pytest.raises(ValueError) as e:
+        execute_to_check("00_tour", {"model_name": str(folder), "n_neurons": 65})
+    assert one_line_error(e) == f"n_neurons must be at most 64 (the MLP neurons of {folder}: 2 layers x 32), got 65"
+    ns = execute_to_check("00_tour", {"model_name": str(folder), "n_texts": n_wiki, "top_k_tokens": 100, "n_neurons": 64})
+    assert (ns["n_texts"], ns["top_k_tokens"], ns["n_neurons"]) == (n_wiki, 100, 64)
+    # a model whose config is not at hand here: its own load says so later; the check does not guess a bound
+    assert execute_to_check("00_tour", {"model_name": "someone/not-cached", "top_k_tokens": 10000000})["top_k_tokens"] == 10000000
+
+
+@pytest.mark.parametrize("stem", ["09_global_token_dependency", "10_saobp_small_scale_gains"])
+def test_an_empty_or_misspelled_task_list_is_named_at_the_check(stem):
+    from lib import scratch
+
+    for given in ([], "[]"):
+        with pytest.raises(ValueError) as e:
+            execute_to_check(stem, {"tasks": given})
+        assert one_line_error(e) == f"tasks is empty: name at least one task, any of {', '.join(scratch.SCRATCH_TASKS)}"
+    with pytest.raises(ValueError) as e:
+        execute_to_check(stem, {"tasks": "sst-2,LM"})
+    assert one_line_error(e).startswith("unknown tasks 'sst-2' (did you mean 'SST-2'?): use any of SST-2, ")
+    assert execute_to_check(stem, {"tasks": "RTE,LM"})["tasks"] == ["RTE", "LM"]

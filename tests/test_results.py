@@ -12,6 +12,7 @@ def tmp_project(tmp_path, monkeypatch):
     monkeypatch.setattr(paths, "FIGURES", tmp_path / "figures")
     monkeypatch.setattr(paths, "CACHE", tmp_path / "cache")
     monkeypatch.delenv(paths.OUTPUTS_ENV, raising=False)  # these tests write the published folders (of tmp_path)
+    monkeypatch.setenv(paths.PUBLISH_ENV, "1")
     return tmp_path
 
 
@@ -106,6 +107,28 @@ def test_figures_are_saved_per_model(tmp_project):
         plotting.save(fig, "m", "a/b")
 
 
+def test_a_figure_drawn_again_with_the_same_numbers_is_not_rewritten(tmp_project):
+    """Float-level noise (below the fingerprint's significant digits) leaves a saved figure's files untouched;
+    a changed number redraws them."""
+    import os
+
+    import matplotlib.pyplot as plt
+
+    def draw(y):
+        fig, ax = plt.subplots()
+        ax.plot([0, 1, 2], y)
+        ax.set_title("t")
+        return fig
+    p = plotting.save(draw([0.1, 0.25, 0.3]), "m", "00_noise")
+    stamp = p.stat().st_mtime_ns, p.with_suffix(".svg").stat().st_mtime_ns
+    os.utime(p, ns=(1, 1))
+    plotting.save(draw([0.1 + 1e-9, 0.25 - 1e-10, 0.3]), "m", "00_noise")
+    assert p.stat().st_mtime_ns == 1 and p.with_suffix(".svg").stat().st_mtime_ns == stamp[1]
+    plotting.save(draw([0.1, 0.35, 0.3]), "m", "00_noise")
+    assert p.stat().st_mtime_ns != 1
+    plt.close("all")
+
+
 def test_an_adhoc_run_records_in_its_run_folder_and_leaves_the_published_ledger(tmp_project, monkeypatch):
     from lib import params
 
@@ -117,10 +140,36 @@ def test_an_adhoc_run_records_in_its_run_folder_and_leaves_the_published_ledger(
     path = results.record("m", "01_a", _verdict(finding="finding 01_a", value=0.05), "ad hoc")
     folder = tmp_project / "results" / "m" / "runs" / "abc123def456"
     assert path == folder / "01_a.json"
-    assert "ad hoc" in (folder / "claims.json").read_text() and "non-published" in (folder / "claims.md").read_text()
+    assert "ad hoc" in (folder / "claims.json").read_text() and "did not publish" in (folder / "claims.md").read_text()
     assert json.loads((tmp_project / "results" / "m" / "01_a.json").read_text())["findings"][0]["ours"] == "published"
     monkeypatch.setattr(params, "_CURRENT", None)
     assert results.write_claims("m").read_text() == published  # the run folder is not published
+
+
+def test_a_subset_claims_merge_publishes_only_the_notebooks_named(tmp_project):
+    """Records of other notebooks lying in results/<model>/ (an earlier run's) do not enter the ledger when a
+    subset run merges its own: `make reproduce NOTEBOOKS=02` publishes 02's rows alone."""
+    for nb in ("01_a", "02_b"):
+        results.record("m", nb, _verdict(finding=f"finding {nb}"), "first")
+    published = results.write_claims("m").read_text()
+    results.record("m", "01_a", _verdict(finding="finding 01_a", value=0.05), "stale")
+    results.record("m", "02_b", _verdict(finding="finding 02_b", value=0.3), "subset")
+    text = results.write_claims("m", notebooks=["02"]).read_text()
+    assert "stale" not in json.dumps(results.load_ledger("m")) and "subset" in json.dumps(results.load_ledger("m"))
+    assert sum(a != b for a, b in zip(published.splitlines(), text.splitlines())) == 1
+
+
+def test_clean_results_then_claims_leaves_the_published_ledger(tmp_project):
+    """With no per-notebook records at all (after make clean-results), make claims keeps every published row."""
+    for nb in ("01_a", "02_b"):
+        results.record("m", nb, _verdict(finding=f"finding {nb}"), "x")
+    results.write_claims("m")
+    before = (tmp_project / "results" / "m" / "claims.json").read_bytes(), (tmp_project / "results" / "m" / "claims.md").read_bytes()
+    for p in (tmp_project / "results" / "m").glob("0*.json"):
+        p.unlink()
+    results.write_claims("m")
+    assert ((tmp_project / "results" / "m" / "claims.json").read_bytes(),
+            (tmp_project / "results" / "m" / "claims.md").read_bytes()) == before
 
 
 def test_a_rerun_drops_findings_it_no_longer_records(tmp_project, monkeypatch):

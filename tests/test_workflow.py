@@ -3,6 +3,7 @@ artifact dependencies as edges (nothing is executed); the claims merge; the runn
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -249,7 +250,7 @@ def test_atomic_run_leaves_no_output_when_a_notebook_fails(tmp_results):
     assert json.loads((out / "timings" / "02_bad.json").read_text())["exit_code"] != 0
 
 
-# ----------------------------------------------------------------------------- NOTEBOOKS=... (issue 14, point 2)
+# ----------------------------------------------------------------------------- NOTEBOOKS=...
 
 
 def make_reproduce_command(**variables) -> list[str]:
@@ -269,10 +270,12 @@ def make_reproduce_command(**variables) -> list[str]:
     return [a if a != "all" or cmd[i - 1] != "--cores" else "1" for i, a in enumerate(cmd)]
 
 
-@pytest.mark.parametrize("value, want", [("00", {"00"}), ("07,11", {"07", "11"}), ("00,07", {"00", "07"})])
+@pytest.mark.parametrize("value, want", [("00", {"00"}), ("07,11", {"07", "11"}), ("00,07", {"00", "07"}),
+                                         ("04", {"04"}), ("09,12", {"09", "12"})])
 def test_make_reproduce_notebooks_selects_exactly_those(tmp_path, value, want):
-    """`make reproduce NOTEBOOKS=00` ran all fifteen notebooks: Snakemake read 00 as the integer 0 and
-    the filter was skipped. The Makefile now quotes the value and the Snakefile zero-pads integers."""
+    """`make reproduce NOTEBOOKS=00` runs notebook 00 alone (the Makefile quotes the value, the Snakefile
+    zero-pads integers), and a subset runs only the notebooks it names, not those they follow in a full run
+    (04 reads the records and the cache and measures what it lacks itself)."""
     nbdir = tmp_path / "notebooks"
     for stem, model in PLANNED.items():
         fake_notebook(nbdir / f"{stem}.ipynb", model)
@@ -301,7 +304,7 @@ def test_only_filter_rejects_unknown_numbers(tmp_path):
     assert proc.returncode != 0 and "no numbered notebook 15" in proc.stdout + proc.stderr
 
 
-# ----------------------------------------------------------------------------- a killed run (issue 14, point 7)
+# ----------------------------------------------------------------------------- a killed run
 
 
 def _plant_stale_run(work: Path, target: str) -> Path:
@@ -369,7 +372,7 @@ def test_docs_name_the_venv_snakemake_for_unlock():
         assert m.group(1).startswith(".venv/bin/snakemake"), m.group(1)
 
 
-# ----------------------------------------------------------------------------- make test-stability (issue 14, point 0)
+# ----------------------------------------------------------------------------- make test-stability
 
 
 def executed(path: Path, key_output: str, other: str = "anything\n", tagged: bool = False) -> Path:
@@ -419,7 +422,7 @@ def test_stability_runs_each_thread_count_outside_the_tree(tmp_path):
     assert not (out / "tree").exists()  # the copy is removed after the runs
 
 
-# ----------------------------------------------------------------------------- messages (issue 14, point 9)
+# ----------------------------------------------------------------------------- messages
 
 
 def test_messages_name_the_hub_cli_the_environment_ships():
@@ -600,3 +603,37 @@ def test_make_test_writes_figures_and_notebook_records_outside_the_tree(tmp_path
     v = _verdict("a finding", 0.4)
     assert results.record("m", "01_demo", v, "x") == tmp_path / "out" / "results" / "m" / "01_demo.json"
     assert not (tmp_path / "figures").exists() and not (tmp_path / "results").exists()
+
+
+# ----------------------------------------------------------------------------- make help, lib outside its environment
+
+
+def test_make_help_lists_the_variables_the_targets_read():
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make is not installed")
+    proc = subprocess.run([make, "help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert any(ln.startswith("  make reproduce ") for ln in lines)  # the targets as before
+    variables = lines[next(i for i, ln in enumerate(lines) if ln.startswith("variables")) + 1:]
+    named = {ln.split()[0].split("=")[0] for ln in variables}
+    assert named >= {"DEVICE", "MODEL", "NOTEBOOKS", "FRESH", "WORKERS", "JOB_THREADS", "AUDIT_BUDGET", "COMPENDIUM_THREADS"}
+    for name in named:  # each one a variable the Makefile reads, or the threads variable lib reads
+        assert f"$({name})" in (ROOT / "Makefile").read_text() or name == "COMPENDIUM_THREADS", name
+
+
+def test_lib_outside_its_environment_names_the_missing_package():
+    """`python -m lib.runner` with a Python that lacks the packages (here the venv's without site-packages):
+    one line naming the package and the fix, not a ModuleNotFoundError traceback. lib.colab, which installs
+    them, still runs."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for how in (["-m", "lib.runner", "--help"], ["-c", "from lib import data"]):
+        proc = subprocess.run([sys.executable, "-S", *how], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 1 and proc.stdout == "", how
+        assert proc.stderr.strip() == (f"lib needs the package 'numpy', which {sys.executable} cannot import: "
+                                       "run `make setup` and use .venv/bin/python (or activate .venv)"), how
+    if sys.version_info >= (3, 11):  # tomllib (3.10 needs tomli from site-packages)
+        proc = subprocess.run([sys.executable, "-S", "-m", "lib.colab", "--help"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stderr

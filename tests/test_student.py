@@ -2,6 +2,8 @@
 copy runs up to its first exercise, and its first check fails until the student answers."""
 import json
 
+import pytest
+
 import nbformat
 from nbclient import NotebookClient
 
@@ -37,3 +39,58 @@ def test_a_student_copy_runs_to_its_first_exercise_and_its_check_waits_for_an_an
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert len(errors) == 1 and errors[0] in nb.cells[-1].outputs, [e.get("ename") for e in errors]
     assert errors[0].ename == "NameError"  # the check reads the student's answer, which is not there yet
+
+
+def _code(cell) -> str:
+    src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+    return "\n".join(line for line in src.splitlines() if not line.lstrip().startswith(("%", "!")))
+
+
+def _stored_and_loaded(code: str) -> tuple[set, set]:
+    import ast
+
+    tree = ast.parse(code)
+    stored, loaded = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (stored if isinstance(node.ctx, (ast.Store, ast.Del)) else loaded).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            stored.add(node.name)
+            if not isinstance(node, ast.ClassDef):
+                a = node.args
+                stored |= {x.arg for x in a.args + a.kwonlyargs + a.posonlyargs} | {x.arg for x in (a.vararg, a.kwarg) if x}
+        elif isinstance(node, ast.Lambda):
+            stored |= {x.arg for x in node.args.args}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            stored |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            stored.add(node.name)
+    return stored, loaded
+
+
+@pytest.mark.parametrize("nb", sorted(paths.NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")), ids=lambda p: p.name[:2])
+def test_checks_read_only_what_their_exercise_asks_for(nb):
+    """A check cell reads only names the notebook defines outside its solutions, names its exercise asks the
+    student to define (in backticks), or names it defines itself: a correct answer never fails with a
+    NameError for a helper variable that only the worked solution happened to use."""
+    import builtins
+    import re
+
+    cells = json.loads(nb.read_text())["cells"]
+    defined, asked, problems = set(dir(builtins)) | {"display", "get_ipython"}, set(), []
+    for i, c in enumerate(cells):
+        if c["cell_type"] == "markdown":
+            text = "".join(c["source"])
+            if "### Exercise" in text:
+                asked = set()
+            asked |= {m.group(1) for m in re.finditer(r"`([A-Za-z_][A-Za-z0-9_]*)", text)}
+            continue
+        if c["cell_type"] != "code" or runner.SOLUTION_TAG in tags(c):
+            continue
+        stored, loaded = _stored_and_loaded(_code(c))
+        if "check" in tags(c):
+            free = sorted(loaded - stored - defined - asked)
+            if free:
+                problems.append(f"cell {i}: {', '.join(free)}")
+        defined |= stored
+    assert not problems, f"{nb.name}: checks read names their exercise does not ask for: {'; '.join(problems)}"

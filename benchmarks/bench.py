@@ -48,7 +48,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 # The sizes the benchmark is specified at; the report names every deviation from them.
-ISSUE_SIZES = {"prompts": 256, "tokens": 52, "batch_size": 32, "scaling": [64, 256, 1024],
+TARGET_SIZES = {"prompts": 256, "tokens": 52, "batch_size": 32, "scaling": [64, 256, 1024],
                "gen_prompts": 64, "gen_tokens": 20}
 TARGETS = {
     1: "lib / bare forward <= 1.05x",
@@ -575,7 +575,7 @@ def ratio_cell(xs: Sequence[float]) -> str:
 
 def deviations(args) -> list[str]:
     out = []
-    for k, v in ISSUE_SIZES.items():
+    for k, v in TARGET_SIZES.items():
         got = getattr(args, k)
         if list(got) != v if isinstance(v, list) else got != v:
             out.append(f"`{k}` = {got} (specified: {v})")
@@ -606,7 +606,7 @@ def report(res: dict, command: str) -> str:
           f"| model / device / dtype | {a['model']} / {a['device']} / {a['dtype']} |", ""]
     dev = deviations(argparse.Namespace(**a))
     if dev:
-        L += ["Settings that differ from the issue's or the compendium's defaults: " + "; ".join(dev) + ".", ""]
+        L += ["Settings that differ from the benchmark's target sizes or the compendium's defaults: " + "; ".join(dev) + ".", ""]
     load = mc["load_start"][:1] + mc["load_end"][:1]
     if load and max(load) > (mc["cores"] or 1):
         L += [f"**Measured under load**: the 1-minute load average was {load[0]} at the start and {load[-1]} at the "
@@ -767,15 +767,15 @@ def parse(argv=None):
     ap.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("COMPENDIUM_THREADS", "2")))
     ap.add_argument("--items", default="1,2,3,4,5", help="comma-separated subset of 1-5")
-    ap.add_argument("--prompts", type=int, default=ISSUE_SIZES["prompts"])
-    ap.add_argument("--tokens", type=int, default=ISSUE_SIZES["tokens"])
-    ap.add_argument("--batch-size", type=int, default=ISSUE_SIZES["batch_size"])
+    ap.add_argument("--prompts", type=int, default=TARGET_SIZES["prompts"])
+    ap.add_argument("--tokens", type=int, default=TARGET_SIZES["tokens"])
+    ap.add_argument("--batch-size", type=int, default=TARGET_SIZES["batch_size"])
     ap.add_argument("--mem-prompts", type=int, default=None,
                     help="prompts for item 2's memory subprocesses (default: --prompts; the peak is per batch)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of items 1-2 after the warm-up")
-    ap.add_argument("--scaling", default=",".join(map(str, ISSUE_SIZES["scaling"])))
-    ap.add_argument("--gen-prompts", type=int, default=ISSUE_SIZES["gen_prompts"])
-    ap.add_argument("--gen-tokens", type=int, default=ISSUE_SIZES["gen_tokens"])
+    ap.add_argument("--scaling", default=",".join(map(str, TARGET_SIZES["scaling"])))
+    ap.add_argument("--gen-prompts", type=int, default=TARGET_SIZES["gen_prompts"])
+    ap.add_argument("--gen-tokens", type=int, default=TARGET_SIZES["gen_tokens"])
     ap.add_argument("--gen-batch-size", type=int, default=None,
                     help="lib's batch in item 3 (default: lib.metrics.GENERATE_BATCH_SIZE, generate's default)")
     ap.add_argument("--gen-prompt-tokens", type=int, default=32, help="lib.metrics.generate's default")

@@ -35,7 +35,7 @@ from lib.stats import ControlComparison, Estimate, mde_from_interval
 
 VERDICTS = ("holds", "partly holds", "does not hold", "inconclusive")
 # Fewest matched controls whose band an effect can be "beyond": with fewer, the 95th percentile is the
-# largest control or worse, and the rank p-value cannot fall below 1/(n+1) (the paper issues ask for 10).
+# largest control or worse, and the rank p-value cannot fall below 1/(n+1) (the compendium's verdict standard requires 10).
 MIN_CONTROLS = 10
 _OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt, "==": operator.eq}
 

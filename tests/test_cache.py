@@ -1,4 +1,4 @@
-"""lib.cache: content hashes, and artifacts derived from data keyed by that data (issue 14, point 3).
+"""lib.cache: content hashes, and artifacts derived from data keyed by that data.
 
 A cached artifact made from prompt texts, facts, pairs or labelled rows must be rebuilt when one of
 them changes; here the data files are copies in a scratch folder, edited one line at a time."""

@@ -346,7 +346,12 @@ class LazyLoaded(Loaded):
 
     def _loaded(self) -> Loaded:
         if self._real is None:
-            self._real = self._load()
+            import torch
+
+            # first use may come inside torch.inference_mode (generation, recording); reading or training the
+            # weights there would make them inference tensors, which training cannot use
+            with torch.inference_mode(False):
+                self._real = self._load()
             self._real.spec = self.spec
             self._real.info.name = self.spec.name
         return self._real

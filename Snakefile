@@ -227,6 +227,8 @@ rule merge_claims:
         "results/claims.md",
     run:
         from lib.results import merge_claims, models_with_records
+        from lib.runner import write_readme
 
         have = set(models_with_records())
         merge_claims([m for m in ORDER if m in have] + sorted(have - set(ORDER)))
+        write_readme()  # README's findings table, from the same ledgers

@@ -8,8 +8,9 @@ which gets a ledger of its own and never touches the published ones.
 
 The published ledger of a model is ``results/<model>/claims.json`` (git-tracked, the source) and its
 rendering ``claims.md``. :func:`write_claims` merges fresh records into it **by notebook**: a notebook
-that ran replaces its own rows; every other row stays byte for byte. :func:`merge_claims` builds
-``results/claims.md`` (findings x models) from every model's claims.json.
+that ran replaces its own rows; every other row stays byte for byte. :func:`findings_table` is the table of
+findings x models built from every model's claims.json: ``results/claims.md`` (:func:`merge_claims`), README.md's
+findings (``python -m lib.runner readme``) and the site's start page show it.
 """
 from __future__ import annotations
 
@@ -182,13 +183,26 @@ def models_with_records() -> list[str]:
     return sorted(d.name for d in paths.RESULTS.iterdir() if d.is_dir() and load_ledger(d.name))
 
 
-def merge_claims(models: list[str] | None = None) -> Path:
-    """results/claims.md: one row per finding (notebook, finding, the paper's number), one column per
-    model holding its verdict and estimate. ``models`` gives the column order; a model with a
-    published ledger that is not named is appended, so no model's column is ever dropped."""
-    have = models_with_records()
-    models = list(dict.fromkeys(list(models or []) + have))
-    models = [m for m in models if m in have]
+def default_models() -> list[str]:
+    """The numbered notebooks' own default models (their parameters cells, read without running them), in
+    notebook order and once each: smollm2-135m, then minilm-l6."""
+    from lib import runner
+
+    found = (runner.parameter_defaults(nb).get("model_name") for nb in runner.numbered_notebooks())
+    return list(dict.fromkeys(paths.slug(str(m)) for m in found if m))
+
+
+def findings_table(models: list[str] | None = None) -> str:
+    """A markdown table of the published findings: one row per (notebook, finding), then the paper's effect as
+    the ledger row states it, then one column per model holding "**verdict**: estimate [95% CI]" (the row's
+    estimate text). ``models``: the columns, in order; default: :func:`default_models`, then every other model
+    with a published ledger (:func:`models_with_records`), each only if it has a ledger. The finding label is
+    the ledger's own (a row of a notebook that measures several models names its model there), never followed
+    by the model's name. README.md (``python -m lib.runner readme``), results/claims.md (:func:`merge_claims`)
+    and the site's start page (docs/site/build.py) print this table."""
+    if models is None:
+        have = models_with_records()
+        models = [m for m in dict.fromkeys(default_models() + have) if m in have]
     rows: dict[tuple[str, str], dict] = {}
     for m in models:
         for r in load_ledger(m):
@@ -196,17 +210,25 @@ def merge_claims(models: list[str] | None = None) -> Path:
             if r["paper"] not in row["papers"]:
                 row["papers"].append(r["paper"])
             row["cells"][m] = f"**{_cell(r['verdict'])}**: {_cell(r['estimate'])}"
-    lines = ["# Claims across models", "",
-             "Rows: the findings each notebook records; columns: the models it ran on "
-             "(verdict: estimate [95% CI]). Built from results/<model>/claims.json by `python -m lib.runner merge`;"
-             " the reasons, controls and preconditions are in each model's claims.md.", "",
-             "| " + " | ".join(["notebook", "finding", "paper"] + [_cell(m) for m in models]) + " |",
+    lines = ["| " + " | ".join(["notebook", "finding", "paper"] + [_cell(m) for m in models]) + " |",
              "|---|---|---|" + "---|" * len(models)]
-    for (nb, finding), row in sorted(rows.items(), key=lambda kv: kv[0][0]):
+    for (nb, finding), row in sorted(rows.items(), key=lambda kv: kv[0][0]):  # stable: ledger order within a notebook
         cells = [_cell(nb), _cell(finding), _cell("; ".join(map(str, row["papers"])))]
         lines.append("| " + " | ".join(cells + [row["cells"].get(m, "") for m in models]) + " |")
     if not rows:
         lines.append("| (no notebook has recorded a finding yet) | | |" + " |" * len(models))
+    return "\n".join(lines) + "\n"
+
+
+def merge_claims(models: list[str] | None = None) -> Path:
+    """results/claims.md: :func:`findings_table` under a heading. ``models`` gives the column order; a model
+    with a published ledger that is not named is appended, so no model's column is ever dropped."""
+    have = models_with_records()
+    models = [m for m in dict.fromkeys(list(models or []) + have) if m in have]
+    lines = ["# Claims across models", "",
+             "Rows: the findings each notebook records; columns: the models it ran on "
+             "(verdict: estimate [95% CI]). Built from results/<model>/claims.json by `python -m lib.runner merge`;"
+             " the reasons, controls and preconditions are in each model's claims.md.", ""]
     path = paths.RESULTS / "claims.md"
-    atomic_write_text(path, "\n".join(lines) + "\n")
+    atomic_write_text(path, "\n".join(lines) + "\n" + findings_table(models))
     return path

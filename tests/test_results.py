@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 import torch
@@ -180,3 +181,120 @@ def test_a_rerun_drops_findings_it_no_longer_records(tmp_project, monkeypatch):
     monkeypatch.setattr(results, "_EXECUTION", "a later kernel")
     results.record("m", "01_a", _verdict(finding="new name"), "re-run")
     assert [r["finding"] for r in results.load_records("m")] == ["new name"]
+
+
+# ----------------------------------------------------------------------------- the findings table (README.md)
+
+def _ledger(root, model, rows):
+    (root / "results" / model).mkdir(parents=True, exist_ok=True)
+    (root / "results" / model / "claims.json").write_text(json.dumps({"model": model, "rows": rows}))
+
+
+def _ledger_row(notebook, finding, verdict_word="holds", estimate="0.3 [0.2, 0.4] (drop)", paper="0.5 | 0.6"):
+    return {"notebook": notebook, "finding": finding, "paper": paper, "estimate": estimate, "verdict": verdict_word}
+
+
+def _cells(line: str) -> list[str]:
+    """The cells of one markdown table line (escaped pipes stay inside their cell)."""
+    return [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+
+
+def test_findings_table_one_row_per_finding_one_column_per_model(tmp_project):
+    _ledger(tmp_project, "b-model", [_ledger_row("07_x", "falls (b-model)", "does not hold"), _ledger_row("01_a", "a")])
+    _ledger(tmp_project, "a-model", [_ledger_row("01_a", "a", estimate="0.1 [0.0, 0.2]"), _ledger_row("01_a", "a2"),
+                                     _ledger_row("08_y", "no estimate", "inconclusive", estimate="none")])
+    _ledger(tmp_project, "empty", [])
+    lines = results.findings_table().splitlines()
+    header, rows = _cells(lines[0]), [_cells(ln) for ln in lines[2:]]
+    assert header == ["notebook", "finding", "paper", "a-model", "b-model"]  # no default model here; others sorted
+    assert all(len(_cells(ln)) == len(header) for ln in lines) and set(lines[1]) == {"|", "-"}
+    assert [(r[0], r[1]) for r in rows] == [("01_a", "a"), ("01_a", "a2"), ("07_x", "falls (b-model)"),
+                                            ("08_y", "no estimate")]  # one row per (notebook, finding), in order
+    assert rows[0][2] == "0.5 \\| 0.6"  # pipes in a cell are escaped
+    assert rows[0][3:] == ["**holds**: 0.1 [0.0, 0.2]", "**holds**: 0.3 [0.2, 0.4] (drop)"]
+    assert rows[2][3:] == ["", "**does not hold**: 0.3 [0.2, 0.4] (drop)"] and rows[3][3] == "**inconclusive**: none"
+    picked = results.findings_table(["b-model"]).splitlines()
+    assert _cells(picked[0])[3:] == ["b-model"] and len(picked) == 2 + 2
+    assert _cells(results.findings_table(["nobody"]).splitlines()[2])[0] == "(no notebook has recorded a finding yet)"
+
+
+def test_default_models_come_first_in_the_findings_table():
+    assert results.default_models() == ["smollm2-135m", "minilm-l6"]  # the notebooks' parameters cells, in order
+    header = _cells(results.findings_table().splitlines()[0])
+    assert header[3:5] == ["smollm2-135m", "minilm-l6"]
+    n = sum(len(results.load_ledger(m)) for m in header[3:])
+    keys = {(r["notebook"], r["finding"]) for m in header[3:] for r in results.load_ledger(m)}
+    assert len(results.findings_table().splitlines()) == 2 + len(keys) and n >= len(keys)
+
+
+def test_readme_findings_table_is_the_committed_ledgers():
+    """README.md's table between its markers is findings_table() of the committed ledgers: after a new ledger,
+    `python -m lib.runner readme` rewrites it (this test then passes again)."""
+    from lib import runner
+
+    text = (paths.ROOT / "README.md").read_text(encoding="utf-8")
+    assert runner.readme_findings(text) == results.findings_table(), "README findings: run `python -m lib.runner readme`"
+    assert runner.readme_with_findings(text, results.findings_table()) == text
+
+
+def test_readme_rewrite_touches_only_the_block_between_the_markers(tmp_project):
+    from lib import runner
+
+    start, end = runner.FINDINGS
+    readme = tmp_project / "README.md"
+    readme.write_text(f"# T\n\nbefore\n{start}\nold table\n{end}\nafter\n", encoding="utf-8")
+    _ledger(tmp_project, "m", [_ledger_row("01_a", "a")])
+    assert runner.write_readme(readme) is True and runner.write_readme(readme) is False
+    text = readme.read_text(encoding="utf-8")
+    assert text == f"# T\n\nbefore\n{start}\n\n{results.findings_table().rstrip()}\n\n{end}\nafter\n"
+    assert runner.readme_findings(text) == results.findings_table()
+    with pytest.raises(ValueError, match="findings"):
+        runner.readme_with_findings("# no markers\n", "| a |\n")
+
+
+def test_no_finding_label_names_a_model_twice():
+    """A finding's label is the ledger's: a row that names its model (07 measures several) is not followed by
+    the model's name again, in the table or on the site's start page."""
+    models = results.models_with_records()
+    named = re.compile(r"\((?:[^()]*[;, ])?(" + "|".join(map(re.escape, models)) + r")[;,)]")
+    for line in results.findings_table().splitlines()[2:]:
+        assert len(named.findall(_cells(line)[1])) <= 1, line
+    assert any(named.search(_cells(line)[1]) for line in results.findings_table().splitlines()[2:])  # 07's rows
+    text = (paths.ROOT / "README.md").read_text(encoding="utf-8")
+    for m in models:
+        for other in models:
+            assert f"({m}) ({other})" not in text
+
+
+DOCS = ("README.md", "docs/performance.md", "docs/running.md", "docs/methods.md", "docs/workflow.md", "docs/glossary.md")
+
+
+def _tables(text: str):
+    """Each markdown table of ``text`` (outside code fences) as its list of lines."""
+    table, fenced = [], False
+    for line in text.splitlines() + [""]:
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        if not fenced and line.lstrip().startswith("|"):
+            table.append(line)
+            continue
+        if table:
+            yield table
+        table = []
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_docs_tables_are_well_formed_and_links_exist(doc):
+    """Every table line has as many unescaped pipes as its header (and the delimiter row too); every relative
+    link and image points at a file of the repository."""
+    path = paths.ROOT / doc
+    text = path.read_text(encoding="utf-8")
+    for table in _tables(text):
+        counts = [len(re.findall(r"(?<!\\)\|", ln)) for ln in table]
+        assert len(table) >= 2 and set(counts) == {counts[0]}, f"{doc}: a table with {counts} pipes per line:\n{table[0]}"
+        assert re.fullmatch(r"\|(\s*:?-+:?\s*\|)+", table[1].strip()), f"{doc}: no delimiter row under {table[0]}"
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue
+        assert (path.parent / target.split("#")[0]).exists(), f"{doc}: the link {target} points at nothing"

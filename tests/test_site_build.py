@@ -49,18 +49,36 @@ def test_forest_draws_rows_with_numbers_and_counts_the_rest(build, tmp_path):
     assert (tmp_path / "forest.png").stat().st_size > 0 and "<svg" in (tmp_path / "forest.svg").read_text()
 
 
-def test_contents_lists_verdicts_and_run_times(build, tmp_path):
+def test_contents_lists_the_findings_table_and_run_times(build, tmp_path, monkeypatch):
+    """The start page's findings are lib.results.findings_table (the README's table), not a table of its own."""
+    from lib import results
+
     nbs = []
     for stem, title in (("00_tour", "00 · Tour"), ("07_entropy", "07 · Entropy")):
         nb = nbformat.v4.new_notebook()
         nb.cells = [nbformat.v4.new_markdown_cell(f"# {title}\ntext")]
         nbformat.write(nb, tmp_path / f"{stem}.ipynb")
         nbs.append(tmp_path / f"{stem}.ipynb")
-    page = build.contents(nbs, [_row("07_entropy", "partly holds")])
-    assert "[07 · Entropy](notebooks/07_entropy.ipynb)" in page and "**partly holds**" in page
-    assert "a tour: no finding is decided" in page and "## Paper B" in page and "## Paper A" not in page
+    monkeypatch.setattr(paths, "RESULTS", tmp_path / "results")
+    (tmp_path / "results" / "tiny").mkdir(parents=True)
+    row = {**_row("07_entropy", "partly holds"), "finding": "entropy falls (tiny)", "paper": "no numbers"}
+    (tmp_path / "results" / "tiny" / "claims.json").write_text(json.dumps({"model": "tiny", "rows": [row]}))
+    page = build.contents(nbs)
+    assert results.findings_table() in page and "| entropy falls (tiny) | no numbers | **partly holds**: 0.3" in page
+    assert "(tiny) (tiny)" not in page  # the label is the ledger's, the model is a column
+    assert "[07 · Entropy](notebooks/07_entropy.ipynb)" in page and f"| {build.runner.TEST_WEIGHTS['07']} |" in page
+    assert "## Paper B" in page and "## Paper A" not in page
     toc = build.toc(nbs)
     assert "file: notebooks/00_tour" in toc and "file: notebooks/07_entropy" in toc and "root: index" in toc
+
+
+def test_the_start_page_shows_the_readme_findings_table(build):
+    """With the committed ledgers: the start page, README.md and lib.results.findings_table show one table."""
+    from lib import results, runner
+
+    table = results.findings_table()
+    assert table in build.contents(runner.numbered_notebooks())
+    assert runner.readme_findings((paths.ROOT / "README.md").read_text(encoding="utf-8")) == table
 
 
 def test_published_ledgers_feed_the_site(build):

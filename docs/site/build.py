@@ -3,8 +3,9 @@
 Writes a build source under ``docs/site/_build/src`` from what the repository holds, then runs
 ``jupyter-book build`` on it (HTML in ``docs/site/_build/_build/html``):
 
-* ``index.md``: the contents in reading order: each notebook's findings with their default verdicts
-  (``results/<model>/claims.json``) and its run time (``lib.runner.TEST_WEIGHTS``, measured);
+* ``index.md``: the findings table of README.md (``lib.results.findings_table``, from
+  ``results/<model>/claims.json``), then the contents in reading order with each notebook's run time
+  (``lib.runner.TEST_WEIGHTS``, measured);
 * ``course.md`` (this folder) and the glossary (``docs/glossary.md``);
 * ``claims.md``: one overview figure (a forest plot of every finding, :func:`forest`) and the ledgers;
 * the numbered notebooks as they are committed (never executed here), with stderr outputs dropped and
@@ -33,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lib import colab, paths, runner  # noqa: E402
+from lib import colab, paths, results, runner  # noqa: E402
 
 PARTS = [("Start here", ("00",)), ("Paper A: how DPO reduces toxicity", ("01", "02", "03", "04", "05", "06")),
          ("Paper B: attention localisation and SAOBP", ("07", "08", "09", "10")),
@@ -84,33 +85,31 @@ def ledger_rows() -> list[dict]:
     return sorted(rows, key=lambda r: r["notebook"])  # reading order; a notebook's rows keep their order
 
 
-def _md(s) -> str:
-    return "" if s is None else str(s).replace("|", "\\|").replace("\n", " ")
+_md = results._cell  # one escaping rule for every table cell (pipes escaped, newlines flattened)
 
 
-def contents(notebooks: list[Path], rows: list[dict]) -> str:
+def contents(notebooks: list[Path], models: list[str] | None = None) -> str:
+    """The start page: the findings table of README.md (:func:`lib.results.findings_table`, from the published
+    ledgers; ``models``: its columns), then each part's notebooks with their run times."""
     lines = ["# A compendium of three EMNLP 2025 interpretability papers", "",
              "Each notebook re-runs one finding of one paper on small models and decides it by one evidence rule "
              "(`lib.verdict`): a criterion stated before any result, preconditions, an interval, and matched controls. "
              "The verdicts below are the notebooks' own, at their default parameters; the [claims page](claims.md) "
              "draws them all in one figure. The [course outline](course.md) orders them into sessions, and the "
              "[glossary](glossary.md) explains the abbreviations.", "",
+             "## Findings at a glance", "",
+             "One row per finding, one column per model (verdict: estimate [95% CI]), from `results/<model>/claims.json`.",
+             "", results.findings_table(models).rstrip("\n"), "",
              "Run time: seconds for the notebook's test (nbval) from an empty cache on one CPU thread beside another "
              "job (`lib.runner.TEST_WEIGHTS`); later notebooks reuse what earlier ones cached.", ""]
-    by_nb: dict[str, list[dict]] = {}
-    for r in rows:
-        by_nb.setdefault(r["notebook"], []).append(r)
     for part, numbers in PARTS:
         here = [p for p in notebooks if p.name[:2] in numbers]
         if not here:
             continue
-        lines += [f"## {part}", "", "| notebook | findings and default verdicts | run time (s) |", "|---|---|---|"]
+        lines += [f"## {part}", "", "| notebook | run time (s) |", "|---|---|"]
         for p in here:
-            found = by_nb.get(p.stem, [])
-            cell = "<br>".join(f"{_md(r['finding'])} ({_md(r['model'])}): **{_md(r['verdict'])}**" for r in found) \
-                or "a tour: no finding is decided"
             secs = runner.TEST_WEIGHTS.get(p.name[:2])
-            lines.append(f"| [{_md(_title(p))}](notebooks/{p.stem}.ipynb) | {cell} | {secs if secs is not None else ''} |")
+            lines.append(f"| [{_md(_title(p))}](notebooks/{p.stem}.ipynb) | {secs if secs is not None else ''} |")
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -209,7 +208,7 @@ def prepare(src: Path, mathjax: Path) -> dict:
     notebooks = runner.numbered_notebooks()
     changes = {p.stem: prepare_notebook(p, src / "notebooks" / p.name) for p in notebooks}
     rows = ledger_rows()
-    (src / "index.md").write_text(contents(notebooks, rows))
+    (src / "index.md").write_text(contents(notebooks))
     n_drawn, n_missing = forest(rows, src / "forest")
     if rows and not n_drawn:
         print("warning: no ledger row has the numbers the forest plot needs (a 'plot' entry, lib.verdict.Verdict.plot); "

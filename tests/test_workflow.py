@@ -612,7 +612,9 @@ def test_make_help_lists_the_variables_the_targets_read():
     make = shutil.which("make")
     if make is None:
         pytest.skip("make is not installed")
-    proc = subprocess.run([make, "help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}  # also inside make test
+    proc = subprocess.run([make, "--no-print-directory", "help"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env=env)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert any(ln.startswith("  make reproduce ") for ln in lines)  # the targets as before

@@ -557,8 +557,28 @@ def audit_seed() -> str:
     return os.environ.get("COMPENDIUM_AUDIT_SEED", "").strip() or store._git("rev-parse", "HEAD") or "0"
 
 
+def tree_state(root: Path = paths.ROOT) -> str | None:
+    """``git status --porcelain`` of ``root`` (tracked changes and untracked files, ignored ones left out), or
+    None outside a git work tree or without git."""
+    try:
+        out = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=all"],
+                             capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def tree_changes(before: str | None, after: str | None) -> list[str]:
+    """The lines of ``git status --porcelain`` that differ between two :func:`tree_state` snapshots."""
+    if before is None or after is None:
+        return []
+    a, b = set(before.splitlines()), set(after.splitlines())
+    return sorted(b - a) + [f"(no longer) {line}" for line in sorted(a - b)]
+
+
 def run_tests(jobs: list[str], workers: int | None = None, log_dir: Path | None = None,
-              command=test_command, audit_budget: float | None = AUDIT_BUDGET_S) -> dict[str, tuple[int, float]]:
+              command=test_command, audit_budget: float | None = AUDIT_BUDGET_S,
+              root: Path = paths.ROOT) -> dict[str, tuple[int, float]]:
     """Run the test jobs (notebook numbers, 'tests') in ``workers`` processes at once, each with
     COMPENDIUM_THREADS = total // workers (total: COMPENDIUM_THREADS, 2 unless set; workers default to
     it), a job only after the jobs it waits for (:func:`test_graph`), the longest chain first. A job
@@ -573,7 +593,10 @@ def run_tests(jobs: list[str], workers: int | None = None, log_dir: Path | None 
     ``audit_budget`` (seconds of recorded wall time), a seeded sample of the tested notebooks' records
     (:func:`lib.store.plan`, seed :func:`audit_seed`) is recomputed inside those runs and compared with the
     committed ones; the result is job 'audit' (exit 1 when a record is beyond its tolerance or was not
-    recomputed), its report <log_dir>/audit.log."""
+    recomputed), its report <log_dir>/audit.log.
+
+    Tests publish nothing: when ``root`` is a git work tree, job 'tree' fails if its ``git status`` after the
+    jobs differs from before (a tracked file changed, or a file appeared outside the ignored paths)."""
     from lib import store
 
     total = repro.env_threads()
@@ -601,6 +624,7 @@ def run_tests(jobs: list[str], workers: int | None = None, log_dir: Path | None 
     print(f"{len(jobs)} test jobs, {workers} at a time, COMPENDIUM_THREADS={threads} each; logs in {log_dir}",
           flush=True)
     pending, running, done = set(jobs), {}, {}
+    tree_before = tree_state(root)
     t_all = time.perf_counter()
     try:
         _schedule(pending, running, done, graph, prio, workers, log_dir, env, command, t_all, total)
@@ -616,6 +640,11 @@ def run_tests(jobs: list[str], workers: int | None = None, log_dir: Path | None 
         atomic_write_text(log_dir / "audit.log", text + "\n")
         print(text, flush=True)
         done["audit"] = (0 if ok else 1, 0.0)
+    changed = tree_changes(tree_before, tree_state(root))
+    if tree_before is not None:
+        done["tree"] = (1 if changed else 0, 0.0)
+        print("the tests left the work tree as they found it (git status)" if not changed else
+              "FAILED: the tests changed the work tree (git status):\n  " + "\n  ".join(changed), flush=True)
     print(f"all {len(done)} jobs in {wall:.0f} s ({busy:.0f} s of job time, {busy / max(wall, 1e-9):.2f} jobs at once on average)",
           flush=True)
     return done

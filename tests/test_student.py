@@ -68,11 +68,15 @@ def _stored_and_loaded(code: str) -> tuple[set, set]:
     return stored, loaded
 
 
-@pytest.mark.parametrize("nb", sorted(paths.NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")), ids=lambda p: p.name[:2])
-def test_checks_read_only_what_their_exercise_asks_for(nb):
-    """A check cell reads only names the notebook defines outside its solutions, names its exercise asks the
-    student to define (in backticks), or names it defines itself: a correct answer never fails with a
-    NameError for a helper variable that only the worked solution happened to use."""
+NOTEBOOKS = sorted(paths.NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name[:2])
+def test_cells_after_an_exercise_read_only_what_it_asks_for(nb):
+    """Every cell outside the solutions, checks included, reads only names the notebook defines outside its
+    solutions, names an exercise asks the student to define (in backticks), or names it defines itself: a
+    correct answer never fails a check, or a later cell, with a NameError for a helper variable that only the
+    worked solution happened to use."""
     import builtins
     import re
 
@@ -82,15 +86,29 @@ def test_checks_read_only_what_their_exercise_asks_for(nb):
         if c["cell_type"] == "markdown":
             text = "".join(c["source"])
             if "### Exercise" in text:
+                defined |= asked  # the previous exercise's answers exist from here on
                 asked = set()
             asked |= {m.group(1) for m in re.finditer(r"`([A-Za-z_][A-Za-z0-9_]*)", text)}
             continue
         if c["cell_type"] != "code" or runner.SOLUTION_TAG in tags(c):
             continue
         stored, loaded = _stored_and_loaded(_code(c))
-        if "check" in tags(c):
-            free = sorted(loaded - stored - defined - asked)
-            if free:
-                problems.append(f"cell {i}: {', '.join(free)}")
+        free = sorted(loaded - stored - defined - asked)
+        if free:
+            problems.append(f"cell {i}{' (check)' if 'check' in tags(c) else ''}: {', '.join(free)}")
         defined |= stored
-    assert not problems, f"{nb.name}: checks read names their exercise does not ask for: {'; '.join(problems)}"
+    assert not problems, f"{nb.name}: cells read names no exercise asks for: {'; '.join(problems)}"
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name[:2])
+def test_a_student_copy_with_its_solutions_pasted_in_is_the_tested_notebook(nb, tmp_path):
+    """Pasting each solution back where it was removed gives the notebook that nbval executes, cell for cell:
+    so every student copy passes its checks with the solutions pasted in exactly when make test passes."""
+    (copy,) = runner.student_copies([nb], tmp_path)
+    full, student = json.loads(nb.read_text())["cells"], json.loads(copy.read_text())["cells"]
+    pasted = iter(student)
+    rebuilt = [c if runner.SOLUTION_TAG in tags(c) else next(pasted) for c in full]
+    assert next(pasted, None) is None
+    key = lambda c: (c["cell_type"], "".join(c["source"]), tags(c))  # noqa: E731
+    assert [key(c) for c in rebuilt] == [key(c) for c in full]
+    assert any(runner.SOLUTION_TAG in tags(c) for c in full) == any("check" in tags(c) for c in full)

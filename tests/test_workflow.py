@@ -504,7 +504,7 @@ def test_run_tests_order_workers_threads_and_failures(tmp_path, monkeypatch, cap
               "time.sleep(0.3); open(f'{d}/{j}.end', 'w').write(repr(time.time()));"
               "print('threads', os.environ['COMPENDIUM_THREADS'], os.environ['COMPENDIUM_PROGRESS']); sys.exit(3 if j == '12' else 0)")
     done = runner.run_tests(["tests", "01", "02", "03", "11", "12"], workers=2, log_dir=tmp_path / "logs",
-                            command=lambda j: [sys.executable, "-c", script, j, str(stamp)])
+                            command=lambda j: [sys.executable, "-c", script, j, str(stamp)], root=tmp_path)
     assert {j: rc for j, (rc, _) in done.items()} == {"tests": 0, "01": 0, "02": 0, "03": 0, "11": 0, "12": 3}
     t = {p.name: float(p.read_text()) for p in stamp.iterdir()}
     for job, waits in (("02", "01"), ("03", "01"), ("12", "11")):
@@ -544,6 +544,38 @@ def test_make_test_reads_records_strictly_and_audits_a_sample(tmp_path, monkeypa
         report = (logs / "audit.log").read_text()
         assert ("all within tolerance" in report) == (audit_rc == 0) and "m/measurements/toy/" in report
     assert len(list(store.root().glob("m/measurements/toy/*.json*"))) == 1  # strict mode wrote nothing
+
+
+def test_make_test_fails_when_a_job_changes_the_work_tree(tmp_path, monkeypatch, capsys):
+    """run_tests compares `git status` before and after its jobs: job 'tree' passes when they leave the work tree
+    as they found it (a change made before the tests is not theirs), and fails, naming the paths, when a job
+    changes a tracked file or leaves a new one outside the ignored paths."""
+    import subprocess as sp
+
+    monkeypatch.setenv("COMPENDIUM_THREADS", "2")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = lambda *a: sp.run(["git", "-C", str(repo), *a], check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    (repo / ".gitignore").write_text("scratch/\n")
+    (repo / "figure.svg").write_text("<svg/>\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "tree")
+    (repo / "notes.txt").write_text("the user's own change, made before the tests\n")
+    jobs = {"leaves it": "import os; os.makedirs('scratch', exist_ok=True); open('scratch/log', 'w').write('x')",
+            "redraws": "open('figure.svg', 'w').write('<svg> </svg>')",
+            "adds": "open('new.json', 'w').write('{}')"}
+    for name, script in jobs.items():
+        done = runner.run_tests(["01"], workers=1, log_dir=tmp_path / name.replace(" ", "-"), audit_budget=None,
+                                command=lambda j: [sys.executable, "-c", f"import os; os.chdir({str(repo)!r}); {script}"],
+                                root=repo)
+        out = capsys.readouterr().out
+        assert done["01"][0] == 0 and done["tree"][0] == (0 if name == "leaves it" else 1), (name, out)
+        if name != "leaves it":
+            assert "changed the work tree" in out and ("figure.svg" if name == "redraws" else "new.json") in out
+        git("checkout", "figure.svg")
+        (repo / "new.json").unlink(missing_ok=True)
+    assert runner.tree_state(tmp_path / "not-a-repo") is None
 
 
 def test_run_tests_gives_a_lone_job_every_thread(tmp_path, monkeypatch):

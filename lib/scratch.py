@@ -95,7 +95,7 @@ def compact_vocab(tokenizer, id_lists: Sequence[Sequence[int]], size: int) -> Vo
 
 
 SIZES = {"tiny": (2, 128), "small": (4, 256), "mini": (1, 64), "narrow": (4, 64), "wide": (1, 128),
-         "deep": (6, 64)}  # name -> (layers, d_model)
+         "deep": (6, 64), "deeper": (8, 64)}  # name -> (layers, d_model)
 
 # The from-scratch LM recipe of notebook 10 (its parameters cell holds the same literals, checked by a
 # test), shared with notebook 07's from-scratch baselines so that both read one cached run per size,
@@ -104,6 +104,37 @@ SIZES = {"tiny": (2, 128), "small": (4, 256), "mini": (1, 64), "narrow": (4, 64)
 # below its first layers' with training (07's statistic, mean over 10 seeds: +0.16 at step 100, +0.03 at
 # 250, -0.08 at 400).
 LM_RECIPE = dict(task="LM", steps=400, batch_size=16, max_length=32, lr=2e-3, vocab_size=1000, curve_every=50)
+
+
+# Notebook 07's search for a from-scratch setting whose baseline collapses (what notebook 10's finding 2 needs):
+# LM_RECIPE's baselines at these sizes, trained ``steps`` steps on exploration seeds kept apart from every
+# confirmation seed, with the attention statistics every ``curve_every`` steps. A run's statistics after N steps
+# are those of an N-step run (the same batches, no learning-rate schedule), so one run per size and seed covers
+# every length in ``at``. :func:`collapse_search` applies the rule.
+COLLAPSE_SEARCH = dict(sizes=("deep", "deeper"), seeds=(100, 101, 102), steps=1600, curve_every=100, at=(400, 800, 1200, 1600))
+
+
+def collapse_search(fall: float = -0.05, progress: bool = False) -> tuple[pd.DataFrame, tuple[str, int] | None]:
+    """The search of :data:`COLLAPSE_SEARCH`: one row per size, exploration seed and length in ``at`` with
+    07's statistic (last third minus first third of the layers' normalised entropy) and the same with the
+    attention sink removed, and the chosen setting (size, steps): the cheapest (layers x steps) in which every
+    exploration seed's statistic is at most ``fall`` with and without the sink; None when no setting qualifies."""
+    from lib import saobp
+
+    cs = COLLAPSE_SEARCH
+    configs = [dict(LM_RECIPE, size=s, seed=sd, variant="baseline", steps=cs["steps"], curve_every=cs["curve_every"])
+               for s in cs["sizes"] for sd in cs["seeds"]]
+    rows = []
+    for c, r in zip(configs, scratch_runs(configs, progress=progress, desc="collapse search")):
+        for point in r["curve"]:
+            if point["step"] in cs["at"]:
+                rows.append({"size": c["size"], "layers": SIZES[c["size"]][0], "seed": c["seed"], "steps": point["step"],
+                             "fall": float(saobp.depth_fall(np.array(point["entropy_norm"]))),
+                             "fall without sink": float(saobp.depth_fall(np.array(point["entropy_norm_nosink"])))})
+    table = pd.DataFrame(rows)
+    ok = (table.groupby(["size", "layers", "steps"])[["fall", "fall without sink"]].max() <= fall).all(axis=1)
+    good = sorted((layers * steps, size, steps) for (size, layers, steps), yes in ok.items() if yes)
+    return table, ((good[0][1], int(good[0][2])) if good else None)
 
 
 def size_order(names: Sequence[str]) -> list[str]:
@@ -201,7 +232,7 @@ def encode_lm(tokenizer, texts: Sequence[str], seq_len: int, vocab: Vocab | None
 class TrainLog:
     losses: list[float] = field(default_factory=list)
     seconds_per_step: float = float("nan")
-    curve: list[dict] = field(default_factory=list)  # {step, entropy_norm, sink_mass: per layer} on the probe inputs
+    curve: list[dict] = field(default_factory=list)  # {step, entropy_norm, sink_mass, entropy_norm_nosink: per layer} on the probe inputs
 
 
 def train(lm: models.Loaded, enc: dict, steps: int, batch_size: int = 32, lr: float = 1e-3,
@@ -217,7 +248,8 @@ def train(lm: models.Loaded, enc: dict, steps: int, batch_size: int = 32, lr: fl
     def measure(step: int):
         st = attention_stats(lm, probe, batch_size=32)
         tab = st.table()
-        log.curve.append({"step": step, "entropy_norm": tab["entropy_norm"].tolist(), "sink_mass": tab["sink_mass"].tolist()})
+        log.curve.append({"step": step, "entropy_norm": tab["entropy_norm"].tolist(), "sink_mass": tab["sink_mass"].tolist(),
+                          "entropy_norm_nosink": tab["entropy_norm_nosink"].tolist()})
 
     if not torch.is_grad_enabled():
         raise RuntimeError("training needs autograd: call repro.setup(seed, grad=True) first")

@@ -299,6 +299,18 @@ def mde_paired_continuous(n: int, sd: float, alpha: float = 0.05, power: float =
     return float(d * sd)
 
 
+def n_paired_continuous(effect: float, sd: float, alpha: float = 0.05, power: float = 0.8) -> int:
+    """The number of pairs (seeds) a two-sided paired t-test at ``alpha`` needs to find a mean difference of
+    ``effect`` with probability ``power`` when the differences have s.d. ``sd`` (statsmodels ``TTestPower``,
+    rounded up): the inverse of :func:`mde_paired_continuous`."""
+    from statsmodels.stats.power import TTestPower
+
+    if not effect > 0 or not sd > 0:
+        raise ValueError(f"effect and sd must be positive, got effect={effect!r}, sd={sd!r}")
+    n = TTestPower().solve_power(effect_size=effect / sd, nobs=None, alpha=alpha, power=power, alternative="two-sided")
+    return int(math.ceil(float(n)))
+
+
 def mde_paired_binary(n: int, discordant: float | None = None, alpha: float = 0.05, power: float = 0.8) -> float:
     """Minimum detectable change in accuracy of a paired right/wrong design with ``n`` items.
 

@@ -260,6 +260,7 @@ def test_training_curve_probe_leaves_the_training_unchanged():
     assert logs[0].losses == logs[1].losses  # the probe draws no random numbers and runs without dropout
     assert logs[0].curve == [] and [c["step"] for c in logs[1].curve] == [0, 2, 4, 5]
     assert all(len(c["entropy_norm"]) == 2 and all(0 <= x <= 1 for x in c["sink_mass"]) for c in logs[1].curve)
+    assert all(len(c["entropy_norm_nosink"]) == 2 and all(0 <= x <= 1 for x in c["entropy_norm_nosink"]) for c in logs[1].curve)
 
 
 def test_unigram_perplexity_and_size_order():
@@ -358,8 +359,50 @@ def test_notebook_10_defaults_are_the_shared_lm_recipe():
     for k in ("steps", "batch_size", "max_length", "lr", "vocab_size", "curve_every"):
         assert spec[k][1] == scratch.LM_RECIPE[k], k
     assert spec["tasks"][1] == [scratch.LM_RECIPE["task"]]
-    assert spec["collapse_size"][1] in spec["sizes"][1]
-    assert set(params._parameters("07_attention_entropy_collapse")["scratch_sizes"][1]) == set(spec["sizes"][1])
+    spec07 = params._parameters("07_attention_entropy_collapse")
+    assert set(spec07["scratch_sizes"][1]) == set(spec["sizes"][1])
+    # finding 2's setting is 07's confirmed one: the same size and fresh seeds, none of them an exploration seed
+    assert spec["collapse_size"][1] == spec07["collapse_size"][1]
+    assert spec["collapse_seeds"][1] == spec07["confirm_seeds"][1]
+    assert not set(spec["collapse_seeds"][1]) & set(scratch.COLLAPSE_SEARCH["seeds"])
+
+
+def test_collapse_search_picks_the_cheapest_setting_where_every_seed_collapses_without_the_sink(monkeypatch):
+    """A planted search: fake runs whose curves fall where the test says. The rule takes the cheapest (layers x steps)
+    setting in which every exploration seed falls by at least 0.05 with and without the sink; a fall that is only
+    sink growth (present with the sink, gone without it), or that one seed lacks, does not qualify."""
+    cs = scratch.COLLAPSE_SEARCH
+
+    def fake_runs(plant):
+        def runs(configs, progress=False, desc=""):
+            out = []
+            for c in configs:
+                L = scratch.SIZES[c["size"]][0]
+                curve = []
+                for step in range(0, cs["steps"] + 1, cs["curve_every"]):
+                    fall, fall_ns = plant(c["size"], c["seed"], step)
+                    first = [0.5] * (L - len(saobp.thirds(L)[1]))
+                    curve.append({"step": step, "entropy_norm": first + [0.5 + fall] * len(saobp.thirds(L)[1]),
+                                  "entropy_norm_nosink": first + [0.5 + fall_ns] * len(saobp.thirds(L)[1])})
+                out.append({"curve": curve})
+            return out
+        return runs
+
+    small, big = cs["sizes"][0], cs["sizes"][-1]
+    # the small size collapses from 800 steps on, the big one from 400: big at 400 is cheaper only if layers x 400 is
+    monkeypatch.setattr(scratch, "scratch_runs", fake_runs(
+        lambda size, seed, step: ((-0.1, -0.1) if (size == small and step >= 800) or (size == big and step >= 400) else (0.0, 0.0))))
+    table, choice = scratch.collapse_search()
+    cost = {(small, 800): scratch.SIZES[small][0] * 800, (big, 400): scratch.SIZES[big][0] * 400}
+    assert choice == min(cost, key=cost.get)
+    assert set(table["steps"]) == set(cs["at"]) and set(table["seed"]) == set(cs["seeds"])
+    # sink growth only: falls with the sink, not without it -> nothing qualifies
+    monkeypatch.setattr(scratch, "scratch_runs", fake_runs(lambda size, seed, step: (-0.1, 0.0)))
+    assert scratch.collapse_search()[1] is None
+    # one exploration seed never falls -> nothing qualifies
+    monkeypatch.setattr(scratch, "scratch_runs", fake_runs(
+        lambda size, seed, step: (0.02, 0.02) if seed == cs["seeds"][-1] else (-0.2, -0.2)))
+    assert scratch.collapse_search()[1] is None
 
 
 def test_scratch_runs_in_worker_processes_give_the_same_runs(tmp_path, monkeypatch):

@@ -102,6 +102,12 @@ def test_minimum_detectable_effects():
     mde = stats.mde_paired_continuous(100, sd=1.0)
     assert 0.25 < mde < 0.32
     assert stats.mde_paired_continuous(400, sd=1.0) < mde
+    # the seeds a power calculation asks for: the smallest n whose detectable effect reaches the target
+    n = stats.n_paired_continuous(0.25, sd=1.0)
+    assert stats.mde_paired_continuous(n, sd=1.0) <= 0.25 < stats.mde_paired_continuous(n - 1, sd=1.0)
+    assert stats.n_paired_continuous(0.5, sd=1.0) < n and stats.n_paired_continuous(0.25, sd=2.0) > n
+    with pytest.raises(ValueError, match="positive"):
+        stats.n_paired_continuous(0.0, sd=1.0)
     # binary: at least 6 discordant pairs in one direction are needed at alpha 0.05 (2 * 0.5**6 = 0.031)
     assert stats.mde_paired_binary(12) == pytest.approx(6 / 12)
     assert stats.mde_paired_binary(1000, discordant=0.1) > stats.mde_paired_binary(1000)

@@ -221,10 +221,11 @@ def findings_table(models: list[str] | None = None) -> str:
 
 
 def merge_claims(models: list[str] | None = None) -> Path:
-    """results/claims.md: :func:`findings_table` under a heading. ``models`` gives the column order; a model
-    with a published ledger that is not named is appended, so no model's column is ever dropped."""
+    """results/claims.md: :func:`findings_table` under a heading. ``models`` gives the column order (default:
+    the notebooks' own default models first, as `make reproduce` orders them); a model with a published
+    ledger that is not named is appended, so no model's column is ever dropped."""
     have = models_with_records()
-    models = [m for m in dict.fromkeys(list(models or []) + have) if m in have]
+    models = [m for m in dict.fromkeys(list(models or default_models()) + have) if m in have]
     lines = ["# Claims across models", "",
              "Rows: the findings each notebook records; columns: the models it ran on "
              "(verdict: estimate [95% CI]). Built from results/<model>/claims.json by `python -m lib.runner merge`;"

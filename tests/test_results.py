@@ -298,3 +298,14 @@ def test_docs_tables_are_well_formed_and_links_exist(doc):
         if re.match(r"[a-z]+:", target) or target.startswith("#"):
             continue
         assert (path.parent / target.split("#")[0]).exists(), f"{doc}: the link {target} points at nothing"
+
+
+def test_merge_without_models_puts_the_default_models_first(tmp_project, monkeypatch):
+    """`python -m lib.runner merge` with no models writes the columns in the order `make reproduce` does: the
+    notebooks' own default models first (alphabetical order would put another model first)."""
+    for m in ("zz-default", "aa-other"):
+        results.record(m, "01_a", _verdict(finding="finding 01_a"), "x")
+        results.write_claims(m)
+    monkeypatch.setattr(results, "default_models", lambda: ["zz-default"])
+    header = next(ln for ln in results.merge_claims().read_text().splitlines() if ln.startswith("| notebook"))
+    assert header.index("zz-default") < header.index("aa-other")

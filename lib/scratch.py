@@ -32,7 +32,7 @@ import pandas as pd
 import torch
 
 from lib import models, repro, store
-from lib.saobp import (DEFAULT_J, J_MODES, AttentionStats, active, attach, attention_stats, batches, get,
+from lib.saobp import (DEFAULT_J, J_MODES, AttentionStats, active, attach, attention_stats, batches, depth_fall, get,
                        no_cache, trim)
 
 # ----------------------------------------------------------------------------- synthetic two-hop QA
@@ -119,8 +119,6 @@ def collapse_search(fall: float = -0.05, progress: bool = False) -> tuple[pd.Dat
     07's statistic (last third minus first third of the layers' normalised entropy) and the same with the
     attention sink removed, and the chosen setting (size, steps): the cheapest (layers x steps) in which every
     exploration seed's statistic is at most ``fall`` with and without the sink; None when no setting qualifies."""
-    from lib import saobp
-
     cs = COLLAPSE_SEARCH
     configs = [dict(LM_RECIPE, size=s, seed=sd, variant="baseline", steps=cs["steps"], curve_every=cs["curve_every"])
                for s in cs["sizes"] for sd in cs["seeds"]]
@@ -129,8 +127,8 @@ def collapse_search(fall: float = -0.05, progress: bool = False) -> tuple[pd.Dat
         for point in r["curve"]:
             if point["step"] in cs["at"]:
                 rows.append({"size": c["size"], "layers": SIZES[c["size"]][0], "seed": c["seed"], "steps": point["step"],
-                             "fall": float(saobp.depth_fall(np.array(point["entropy_norm"]))),
-                             "fall without sink": float(saobp.depth_fall(np.array(point["entropy_norm_nosink"])))})
+                             "fall": float(depth_fall(np.array(point["entropy_norm"]))),
+                             "fall without sink": float(depth_fall(np.array(point["entropy_norm_nosink"])))})
     table = pd.DataFrame(rows)
     ok = (table.groupby(["size", "layers", "steps"])[["fall", "fall without sink"]].max() <= fall).all(axis=1)
     good = sorted((layers * steps, size, steps) for (size, layers, steps), yes in ok.items() if yes)

@@ -671,3 +671,16 @@ def test_lib_outside_its_environment_names_the_missing_package():
         proc = subprocess.run([sys.executable, "-S", "-m", "lib.colab", "--help"], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stderr
+
+
+@pytest.mark.parametrize("nb", sorted(paths.NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")), ids=lambda p: p.name[:2])
+def test_stored_outputs_name_no_machine_path(nb):
+    """The committed outputs are read on other machines: none prints this checkout's absolute path or an
+    installed package's file (a library warning captured into a cell), and every cell has an id."""
+    import json
+
+    cells = json.loads(nb.read_text())["cells"]
+    assert all("id" in c for c in cells), f"{nb.name}: cells without an id (nbformat warns inside the kernel)"
+    text = json.dumps([c.get("outputs", []) for c in cells])
+    for needle in (str(paths.ROOT), "site-packages"):
+        assert needle not in text, f"{nb.name}: a stored output contains {needle!r}"

@@ -389,7 +389,7 @@ def test_collapse_search_picks_the_cheapest_setting_where_every_seed_collapses_w
         return runs
 
     small, big = cs["sizes"][0], cs["sizes"][-1]
-    # the small size collapses from 800 steps on, the big one from 400: big at 400 is cheaper only if layers x 400 is
+    # the small size collapses from 800 steps on, the big one from 400: the rule takes whichever costs fewer layers x steps
     monkeypatch.setattr(scratch, "scratch_runs", fake_runs(
         lambda size, seed, step: ((-0.1, -0.1) if (size == small and step >= 800) or (size == big and step >= 400) else (0.0, 0.0))))
     table, choice = scratch.collapse_search()

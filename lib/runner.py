@@ -47,7 +47,7 @@ NUMBERED = re.compile(r"^\d\d_[a-z0-9_]+\.ipynb$")
 NEEDS = {
     # paper A: probe -> preference pairs + DPO model -> neuron statistics -> patching / editing
     "02": ["01"],        # DPO pairs are scored with 01's toxicity probe
-    # 02 reads its three DPO runs' records; 03 dissects the first run's weights (lib.dpo.dpo_run: trained where the
+    # 02 reads its three DPO runs' records; 03 dissects the first run's weights (lib.papers.dpo.dpo_run: trained where the
     # cache lacks them, then cached for 04-06)
     "03": ["01"],        # toxic neurons vs the DPO model's change; builds the activation statistics
     "04": ["03"],        # four neuron groups: 03's DPO model and activation statistics

@@ -14,7 +14,9 @@ import pandas as pd
 import pytest
 import torch
 
-from lib import cache, data, dpo, dpo_neurons, models, paths, store
+from lib import cache, data, models, paths, store
+from lib.papers import dpo
+from lib.papers.dpo import neurons as dpo_neurons
 from lib import scratch as lib_scratch  # the fixture below is called scratch
 
 ROOT_DATA = paths.DATA
@@ -167,7 +169,7 @@ def test_preference_pairs_key_holds_the_prompts(pair, scratch, keys):
     d = lm.info.d_model
     probe = dpo.Probe(torch.zeros(d), 0.0, 1.0, 1.0, 1, steer_layer=0, steer_direction=torch.ones(d))
     dpo.preference_pairs(lm, probe, n_pairs=2, scorer="profanity-check", progress=False)
-    edit_jsonl(scratch / "data" / "lee2024" / "wiki_samples.jsonl", dpo.DEFAULTS["pair_offset"], "prompt",
+    edit_jsonl(scratch / "data" / "lee2024" / "wiki_samples.jsonl", dpo.Sizes.pair_offset, "prompt",
                "An edited pair prompt")
     dpo.preference_pairs(lm, probe, n_pairs=2, scorer="profanity-check", progress=False)
     (_, p1), (_, p2) = keys

@@ -1,9 +1,13 @@
-"""lib.dpo on tiny random models: probe, steering hook, preference pairs, DPO steps, evaluation, cache."""
+"""lib.papers.dpo on tiny random models: probe, steering hook, preference pairs, DPO steps, evaluation, cache."""
 import numpy as np
 import pytest
 import torch
 
-from lib import dpo, hooks, metrics, models, paths, store
+from lib import hooks, metrics, models, paths, store
+from lib.papers import dpo
+from lib.papers.dpo import evaluation, training
+from lib.papers.dpo import neurons as dpo_neurons
+from lib.papers.dpo import shared_setup as dpo_setup
 
 
 @pytest.fixture(autouse=True)
@@ -161,7 +165,7 @@ def test_dpo_two_steps_change_weights_and_cache_hit_reloads_them(llama, monkeypa
     assert any("mlp.down_proj" in k for k in changed), "DPO did not change the MLP output weights"
     assert trained.name.startswith("tiny-llama-dpo-") and trained.info.n_layers == llama.info.n_layers
     # cache hit: no training, same weights and log
-    monkeypatch.setattr(dpo, "_run_dpo", lambda *a, **k: pytest.fail("retrained despite the cache"))
+    monkeypatch.setattr(training, "_run_dpo", lambda *a, **k: pytest.fail("retrained despite the cache"))
     again, log2 = dpo.train_dpo(llama, pairs, steps=2, lr=1e-3, seed=0, progress=False, batch_size=2)
     pd.testing.assert_frame_equal(log, log2)
     for k, v in again.model.state_dict().items():
@@ -184,10 +188,10 @@ def test_dpo_run_is_a_record_and_its_weights_are_trained_only_when_used(llama, m
     first = dpo.dpo_run(llama, pairs, steps=2, lr=1e-3, seed=0, progress=False, batch_size=2)
     assert first.changed_tensors > 0 and first.n_tensors >= first.changed_tensors
     assert first.w_out_change.shape == (llama.info.n_layers,) and (first.w_out_change > 0).any()
-    shutil.rmtree(dpo._dpo_folder(llama, pairs, 2, 1e-3, 0.1, 0, 2))  # the weights are gone, the record stays
+    shutil.rmtree(training._dpo_folder(llama, pairs, 2, 1e-3, 0.1, 0, 2))  # the weights are gone, the record stays
     calls = []
-    real = dpo._run_dpo
-    monkeypatch.setattr(dpo, "_run_dpo", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = training._run_dpo
+    monkeypatch.setattr(training, "_run_dpo", lambda *a, **k: calls.append(1) or real(*a, **k))
     with monkeypatch.context() as m:
         m.setenv(store.RECORDS_ENV, "strict")
         again = dpo.dpo_run(llama, pairs, steps=2, lr=1e-3, seed=0, progress=False, batch_size=2)
@@ -198,7 +202,7 @@ def test_dpo_run_is_a_record_and_its_weights_are_trained_only_when_used(llama, m
         dpo.dpo_run(llama, pairs, steps=2, lr=1e-3, seed=0, progress=False, batch_size=2).model.model
         assert calls == [1]  # read from the cache
     monkeypatch.setattr(store, "_AUDITING", [True])
-    fresh = dpo._train_dpo(llama, pairs, 2, 1e-3, 0.1, 0, False, 2, dpo._dpo_folder(llama, pairs, 2, 1e-3, 0.1, 0, 2),
+    fresh = training._train_dpo(llama, pairs, 2, 1e-3, 0.1, 0, False, 2, training._dpo_folder(llama, pairs, 2, 1e-3, 0.1, 0, 2),
                            fresh=store.auditing())
     assert calls == [1, 1] and "dpo-audit-" in str(fresh)
     shutil.rmtree(fresh.parent)
@@ -214,7 +218,7 @@ def test_dpo_halfway_is_the_run_after_half_its_steps(llama, monkeypatch, tmp_pat
                           "chosen": [" on the mat", " to the sea", " three four", " on the hill"] * 2,
                           "rejected": [" zebra engine", " thunder marble", " quantum violet", " engine zebra"] * 2})
     full, log = dpo.train_dpo(llama, pairs, steps=4, lr=1e-3, seed=0, progress=False, batch_size=2)
-    monkeypatch.setattr(dpo, "_run_dpo", lambda *a, **k: pytest.fail("trained again for the halfway weights"))
+    monkeypatch.setattr(training, "_run_dpo", lambda *a, **k: pytest.fail("trained again for the halfway weights"))
     half, log_half = dpo.dpo_halfway(llama, pairs, steps=4, lr=1e-3, seed=0, progress=False, batch_size=2)
     monkeypatch.undo()
     assert list(log_half.step) == [1, 2]
@@ -229,7 +233,7 @@ def test_dpo_halfway_is_the_run_after_half_its_steps(llama, monkeypatch, tmp_pat
     assert any(not torch.equal(v, w_full[k]) for k, v in w_half.items())  # not the end of the run
     assert any(not torch.equal(v, base[k]) for k, v in w_half.items())  # nor the base model
     with pytest.raises(ValueError, match="keep_at"):
-        dpo._run_dpo(llama, pairs, 2, 1e-3, 0.1, 0, 2, False, tmp_path / "x", keep_at=3)
+        training._run_dpo(llama, pairs, 2, 1e-3, 0.1, 0, 2, False, tmp_path / "x", keep_at=3)
 
 
 def test_dpo_precomputed_reference_gives_the_same_weights(llama, tmp_path):
@@ -245,7 +249,7 @@ def test_dpo_precomputed_reference_gives_the_same_weights(llama, tmp_path):
     for pre in (True, False):
         repro.setup(0, grad=True)
         try:
-            model, log = dpo._run_dpo(llama, pairs, 3, 1e-3, 0.1, 0, 2, False, tmp_path / str(pre), precompute_ref=pre)
+            model, log = training._run_dpo(llama, pairs, 3, 1e-3, 0.1, 0, 2, False, tmp_path / str(pre), precompute_ref=pre)
         finally:
             torch.set_grad_enabled(False)
         weights[pre] = ({k: v.detach().clone() for k, v in model.state_dict().items()}, log.loss.tolist())
@@ -259,7 +263,7 @@ def test_dpo_precomputed_reference_gives_the_same_weights(llama, tmp_path):
 
 def test_dpo_scores_the_completions_alone_and_trains_the_same(llama, tmp_path, monkeypatch):
     """By default TRL's fused LM head projects only the completions' positions onto the vocabulary, on a CPU
-    too (lib.dpo._completion_positions_only), and training gives the weights and losses of projecting every
+    too (lib.papers.dpo.training._completion_positions_only), and training gives the weights and losses of projecting every
     position, up to float rounding; the switch is put back afterwards."""
     import pandas as pd
     import trl.trainer.utils as trl_utils
@@ -279,10 +283,10 @@ def test_dpo_scores_the_completions_alone_and_trains_the_same(llama, tmp_path, m
                 return original.apply(hidden, *args)
 
         monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Spy)
-        dpo._REF_LOGPS.pop(llama.model, None)
+        training._REF_LOGPS.pop(llama.model, None)
         repro.setup(0, grad=True)
         try:
-            model, log = dpo._run_dpo(llama, pairs, 3, 1e-3, 0.1, 0, 2, False, tmp_path / str(completions_only),
+            model, log = training._run_dpo(llama, pairs, 3, 1e-3, 0.1, 0, 2, False, tmp_path / str(completions_only),
                                       completions_only=completions_only)
         finally:
             torch.set_grad_enabled(False)
@@ -317,16 +321,16 @@ def test_dpo_runs_share_the_reference_log_probs_and_train_the_same(llama, tmp_pa
     def run(seed, name):
         repro.setup(seed, grad=True)
         try:
-            model, log = dpo._run_dpo(llama, pairs, 2, 1e-3, 0.1, seed, 2, False, tmp_path / name)
+            model, log = training._run_dpo(llama, pairs, 2, 1e-3, 0.1, seed, 2, False, tmp_path / name)
         finally:
             torch.set_grad_enabled(False)
         return {k: v.detach().clone() for k, v in model.state_dict().items()}, log.loss.tolist()
 
-    dpo._REF_LOGPS.pop(llama.model, None)
+    training._REF_LOGPS.pop(llama.model, None)
     run(0, "a")
     shared = run(1, "b")
     assert len(computed) == 1  # the second seed read the first one's
-    dpo._REF_LOGPS.pop(llama.model, None)
+    training._REF_LOGPS.pop(llama.model, None)
     alone = run(1, "c")
     assert len(computed) == 2
     assert shared[1] == alone[1]
@@ -334,7 +338,7 @@ def test_dpo_runs_share_the_reference_log_probs_and_train_the_same(llama, tmp_pa
     other = pairs.assign(chosen=pairs.chosen + " too")  # other pairs: computed afresh
     repro.setup(0, grad=True)
     try:
-        dpo._run_dpo(llama, other, 1, 1e-3, 0.1, 0, 2, False, tmp_path / "e")
+        training._run_dpo(llama, other, 1, 1e-3, 0.1, 0, 2, False, tmp_path / "e")
     finally:
         torch.set_grad_enabled(False)
     assert len(computed) == 3
@@ -405,7 +409,7 @@ def test_evaluate_each_copies_activations_like_one_copy_at_a_time(llama):
         src.model.model.layers[1].mlp.up_proj.weight[:16] *= -4
     kw = dict(n_prompts=5, n_wiki=3, max_new_tokens=4)
     sets = [[(1, i) for i in range(16)], [], [(0, i) for i in range(0, 64, 2)] + [(1, 5)]]
-    dpo._prefix(src, dpo.evaluation_inputs(5, 3)["challenge_prompts"])  # the source's prompt prefix (kept per model), before counting
+    evaluation._prefix(src, dpo.evaluation_inputs(5, 3)["challenge_prompts"])  # the source's prompt prefix (kept per model), before counting
     for positions in ("last", "all"):
         widths = []  # tokens per forward pass of the source (counted without a hook: a hooked model gets no prefix)
         emb = src.model.get_input_embeddings()
@@ -423,14 +427,14 @@ def test_evaluate_each_copies_activations_like_one_copy_at_a_time(llama):
         assert each[0]["continuations"] != each[1]["continuations"]
     # two generations in one block (the source restarts from its prefix at each one's first step): the same
     chosen = dpo.evaluation_inputs(5, 3)["challenge_prompts"]
-    with hooks.copy_activations_each(src, llama, sets[:2], "last", source_prefix=dpo._prefix(src, chosen)):
+    with hooks.copy_activations_each(src, llama, sets[:2], "last", source_prefix=evaluation._prefix(src, chosen)):
         twice = [[g.continuations for g in metrics.generate(llama, chosen, 4, metrics.GENERATE_BATCH_SIZE, max_prompt_tokens=32,
-                                                             progress=False, prefix=dpo._prefix(llama, chosen), copies=2)]
+                                                             progress=False, prefix=evaluation._prefix(llama, chosen), copies=2)]
                  for _ in range(2)]
     last = dpo.evaluate_each(llama, sets[:2], per_batch=2, positions="last", copy_from=src, **kw)
     assert twice[0] == twice[1] == [e["continuations"] for e in last]
     with pytest.raises(ValueError, match="source prefix"):
-        with hooks.copy_activations_each(src, llama, sets, "all", source_prefix=dpo._prefix(src, ["a b c"])):
+        with hooks.copy_activations_each(src, llama, sets, "all", source_prefix=evaluation._prefix(src, ["a b c"])):
             pass
 
 
@@ -524,8 +528,6 @@ def test_a_short_prompt_file_names_only_the_sizes_that_ask_for_more(tmp_path):
 
 
 def test_evaluate_scores_the_users_prompts_and_keys_the_cache_by_them(llama, tmp_path):
-    from lib import dpo_neurons
-
     f = tmp_path / "mine.jsonl"
     f.write_text('{"text": "So I told him"}\n{"text": "The weather today"}\n{"text": "My neighbour is"}\n')
     mine, _ = dpo.prompt_sets(str(f), n_prompts=3)
@@ -698,8 +700,8 @@ def test_preference_pairs_leave_out_looping_rejected_texts(monkeypatch):
 
 def test_sizes_check_themselves_and_default_to_the_shared_defaults():
     s = dpo.Sizes()
-    assert all(getattr(s, k) == v for k, v in dpo.DEFAULTS.items()) and s.training() == dpo.DEFAULTS
-    assert set(s.dpo_sizes()) == set(dpo.Sizes.DPO_KEYS) <= set(dpo.DEFAULTS)
+    assert s.training() == {k: getattr(dpo.Sizes, k) for k in dpo.TRAINING_KEYS}
+    assert set(s.dpo_sizes()) == set(dpo.Sizes.DPO_KEYS) <= set(dpo.TRAINING_KEYS)
     assert dpo.Sizes(steer_scale=8).steer_scale == 8.0 and isinstance(dpo.Sizes(steer_scale=8).steer_scale, float)
     for bad, match in [({"n_pairs": 0}, "n_pairs must be positive"), ({"n_pairs": 2.5}, "n_pairs must be an integer"),
                        ({"n_pairs": True}, "n_pairs must be an integer"),
@@ -713,7 +715,7 @@ def test_sizes_check_themselves_and_default_to_the_shared_defaults():
     with pytest.raises(ValueError, match="n_prompts: a parameter of this notebook"):
         dpo.Sizes.of({"n_prompts": 10}, n_prompts=32)
     s = dpo.Sizes.of({"n_pairs": 8}, n_prompts=32)
-    assert (s.n_pairs, s.n_prompts, s.n_wiki) == (8, 32, dpo.DEFAULTS["n_wiki"])
+    assert (s.n_pairs, s.n_prompts, s.n_wiki) == (8, 32, dpo.Sizes.n_wiki)
 
 
 def test_setup_checks_before_loading_and_reads_a_users_prompts(tmp_path, capsys):
@@ -730,7 +732,7 @@ def test_setup_checks_before_loading_and_reads_a_users_prompts(tmp_path, capsys)
     default = dpo.setup("smollm2-135m", "cpu", 0)
     from lib import data
 
-    assert default.prompt_kw == {} and default.eval_prompts == data.challenge_prompts(dpo.DEFAULTS["n_prompts"])
+    assert default.prompt_kw == {} and default.eval_prompts == data.challenge_prompts(dpo.Sizes.n_prompts)
     for kw, match in [({"direction": "probes"}, "direction must be 'auto' or one of"), ({"positions": "first"}, "positions must be"),
                       ({"fallback": "x"}, "fallback must be"), ({"scorer": "nope"}, "scorer"),
                       ({"overrides": {"n_prompts": 9}, "n_prompts": 32}, "a parameter of this notebook")]:
@@ -758,11 +760,11 @@ def test_setup_load_wires_models_gate_and_sizes(llama, monkeypatch, capsys):
     gates = {"one": dpo.DirectionGate(table, vec, "class-mean", 1, 1.0, 0.0, [], "x", {}),
              "none": dpo.DirectionGate(table.assign(validated=False), vec, None, 1, 1.0, 0.0, [], "x", {})}
     which = {"gate": "one"}
-    monkeypatch.setattr(dpo, "base_and_dpo", fake_base_and_dpo)
-    monkeypatch.setattr(dpo, "validate_directions", lambda lm, probe, seed, progress: gates[which["gate"]])
+    monkeypatch.setattr(dpo_setup, "base_and_dpo", fake_base_and_dpo)
+    monkeypatch.setattr(dpo_setup, "validate_directions", lambda lm, probe, seed, progress: gates[which["gate"]])
     a = dpo.setup("smollm2-135m", "cpu", 0, {"n_pairs": 8}, n_prompts=3, n_wiki=2,
                   scorer="profanity-check").load(progress=False)
-    assert seen["sizes"] == {**dpo.DEFAULTS, "n_pairs": 8, "n_prompts": 3, "n_wiki": 2}
+    assert seen["sizes"] == {**dpo.Sizes().training(), "n_pairs": 8, "n_prompts": 3, "n_wiki": 2}
     assert a.direction == "class-mean" and torch.equal(a.w, vec["class-mean"]) and a.pre_direction.met
     assert a.dpo_key == {"dpo_model": llama.name, "seed": 0, **dpo.Sizes(n_pairs=8).dpo_sizes()}
     assert a.n_neurons == llama.info.n_layers * llama.info.d_mlp
@@ -772,13 +774,11 @@ def test_setup_load_wires_models_gate_and_sizes(llama, monkeypatch, capsys):
     assert b.direction == "toxic tokens" and not b.pre_direction.met
     assert dpo.setup("smollm2-135m", "cpu", 0, direction=None).load(progress=False).gate is None
     calls = []
-    monkeypatch.setattr(dpo, "evaluate", lambda lm, table, **kw: calls.append(kw) or {"toxicity": 0.0})
+    monkeypatch.setattr(dpo_setup, "evaluate", lambda lm, table, **kw: calls.append(kw) or {"toxicity": 0.0})
     a.evaluate(llama, [], toxicity_only=True)
     a.evaluate(llama, None, positions="all")
     bound = dict(n_prompts=3, n_wiki=2, max_new_tokens=20, scorer="profanity-check")
     assert calls == [dict(bound, toxicity_only=True, positions="last"), dict(bound, toxicity_only=False, positions="all")]
-    from lib import dpo_neurons
-
     stats_calls = []
     monkeypatch.setattr(dpo_neurons, "pair_stats", lambda *args, **kw: stats_calls.append((args, kw)) or {})
     a.activations(progress=False)
@@ -789,9 +789,7 @@ def test_setup_load_wires_models_gate_and_sizes(llama, monkeypatch, capsys):
 
 def test_setup_references_are_the_shared_cached_evaluations(llama, monkeypatch):
     """references() is the same cache entry as the explicit reference_evaluations call it replaces in 03, 05, 06."""
-    from lib import dpo_neurons
-
-    monkeypatch.setattr(dpo, "base_and_dpo", lambda model_name, device, seed, progress, **s:
+    monkeypatch.setattr(dpo_setup, "base_and_dpo", lambda model_name, device, seed, progress, **s:
                         (llama, llama, dpo.Probe(torch.ones(llama.info.d_model), 0.0, 0.9, 0.8, 10)))
     a = dpo.setup("smollm2-135m", "cpu", 0, {"max_new_tokens": 3}, n_prompts=2, n_wiki=2, scorer="profanity-check",
                   direction=None).load(progress=False)

@@ -1,11 +1,12 @@
-"""lib.dpo_neurons against slow, obvious loops on tiny random decoders of every family."""
+"""lib.papers.dpo.neurons against slow, obvious loops on tiny random decoders of every family."""
 import copy
 
 import numpy as np
 import pytest
 import torch
 
-from lib import cache, dpo_neurons as dn, hooks, models
+from lib import cache, hooks, models
+from lib.papers.dpo import neurons as dn
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +211,7 @@ def test_generation_stats_and_cached_pair_stats(pair, tmp_path, monkeypatch):
 
 def test_reference_evaluations_evaluate_both_models(pair):
     """reference_evaluations passes its keywords to ``evaluate`` for each model; the records are the evaluation's
-    own (lib.dpo.toxicity_perplexity_f1 reads and writes the store: tests/test_cache.py)."""
+    own (lib.papers.dpo.toxicity_perplexity_f1 reads and writes the store: tests/test_cache.py)."""
     base, tuned = pair
     calls = []
 

@@ -141,7 +141,7 @@ def test_intervention_is_active_during_cached_generation(tiny_decoder):
 
 
 def test_last_position_patch_in_cached_generation_writes_from_the_last_prompt_token_on(tiny_decoder):
-    """The authors' patching protocol (lib.dpo.PATCH_POSITIONS 'last'): under the KV cache, writing the
+    """The authors' patching protocol (lib.papers.dpo.PATCH_POSITIONS 'last'): under the KV cache, writing the
     last position of each forward call patches the last prompt token and every generated token, and
     leaves the prompt's other positions alone. A greedy loop without the cache that patches exactly
     those positions of the whole sequence must give the same tokens; patching every position differs."""

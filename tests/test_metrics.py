@@ -194,7 +194,7 @@ def test_embedding_scorer_finds_a_planted_vocabulary_and_nothing_in_shuffled_lab
 
 
 def test_rescored_splits_one_batch_back_into_evaluations():
-    from lib import dpo
+    from lib.papers import dpo
 
     evs = [{"continuations": ["a fine day", "you idiot"]}, {"continuations": []}, {"continuations": ["shit happens"]}]
     parts = dpo.rescored(evs, "profanity-check")

@@ -285,12 +285,12 @@ def test_list_parameters_given_as_text_pass_the_notebooks_own_checks():
                                   "05_group_patching_replicates_dpo", "06_activation_editing"])
 def test_a_users_prompt_file_replaces_the_challenge_prompts(stem, tmp_path):
     """Paper A's ``prompts`` parameter: the notebook's derived configuration reads the file the test
-    writes (scored prompts and statistics prompts, lib.dpo.prompt_sets), is an ad-hoc run, and a file
+    writes (scored prompts and statistics prompts, lib.papers.dpo.prompt_sets), is an ad-hoc run, and a file
     with too few prompts stops there with a one-line error."""
     f = tmp_path / "my_prompts.jsonl"
     f.write_text("".join(f'{{"text": "Prompt number {i} says", "id": {i}}}\n' for i in range(6)))
     def sizes(n_prompts, n_stats):
-        """02 scores prompts, 04 only takes statistics; their sizes are fields of lib.dpo.Sizes, given through overrides
+        """02 scores prompts, 04 only takes statistics; their sizes are fields of lib.papers.dpo.Sizes, given through overrides
         unless the notebook sets them itself (03, 05, 06: n_prompts)"""
         if stem == "02_dpo_reduces_toxicity":
             return {"overrides": {"n_prompts": n_prompts}}

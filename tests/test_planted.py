@@ -1,6 +1,6 @@
 """Planted-effect tests: the positive and negative controls of each causal method.
 
-Each method runs here as the notebooks run it (lib.relations, lib.dpo_neurons, lib.hooks, lib.saobp,
+Each method runs here as the notebooks run it (lib.relations, lib.papers.dpo.neurons, lib.hooks, lib.saobp,
 lib.stats, lib.verdict) on tiny random-weight Llama models built from configs, in pairs:
 
 * a model where the effect is planted by construction must give the verdict "holds";
@@ -29,7 +29,8 @@ import pytest
 import torch
 from tokenizers.processors import TemplateProcessing
 
-from lib import data, dpo_neurons as dn, hooks, models, relations, saobp, stats, verdict
+from lib import data, hooks, models, relations, saobp, stats, verdict
+from lib.papers.dpo import neurons as dn
 
 FEATURE = 0  # the private hidden dimension that plants use
 SHARPEN = 10.0  # final-norm gain (logits x 10): a random model's logits are otherwise nearly flat

@@ -9,7 +9,8 @@ import pandas as pd
 import pytest
 import torch
 
-from lib import dpo, models, params, store
+from lib import models, params, store
+from lib.papers import dpo
 
 
 @pytest.fixture

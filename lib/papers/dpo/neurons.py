@@ -383,7 +383,7 @@ def reduction_share_interval(base: Sequence[float], intervened: Sequence[float],
 def reference_evaluations(model_name: str, base: Loaded, tuned: Loaded, tuned_params: dict, evaluate,
                           **eval_kwargs) -> dict:
     """``evaluate(lm, **eval_kwargs)`` of the base and the fine-tuned model (notebooks that compare
-    interventions with both share them). ``evaluate`` keeps its own records (``lib.dpo.toxicity_perplexity_f1``
+    interventions with both share them). ``evaluate`` keeps its own records (``lib.papers.dpo.toxicity_perplexity_f1``
     reads and writes the measurement store, keyed by the model, the sizes and the content of the prompts and
     texts), so a second call reads them. ``model_name`` and ``tuned_params`` are kept for callers; the
     evaluated models' names identify them. Returns {"base": ..., "tuned": ...}."""

@@ -6,7 +6,7 @@ MODEL  ?=
 DEVICE ?=
 STAMP  := $(VENV)/.installed
 # ipykernel's "Kernel is running over TCP without encryption" start-up warning, dropped for the venv's
-# kernels (papermill, lib.runner, nbval): see lib/runner.py, install_kernel_config
+# kernels (papermill, lib.infra.runner, nbval): see lib/infra/runner.py, install_kernel_config
 KERNEL_CFG := $(VENV)/etc/ipython/ipython_kernel_config.py
 
 .DEFAULT_GOAL := help
@@ -35,8 +35,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m lib.models prepare
 	touch $(STAMP)
 
-$(KERNEL_CFG): $(STAMP) lib/runner.py
-	$(PY) -m lib.runner kernel-config
+$(KERNEL_CFG): $(STAMP) lib/infra/runner.py
+	$(PY) -m lib kernel-config
 
 setup: $(STAMP) $(KERNEL_CFG) ## create .venv, install the pinned packages, prepare the embedded models
 
@@ -49,52 +49,52 @@ JOB_THREADS ?= 1
 SNAKEMAKE := $(VENV)/bin/snakemake --cores $(CORES) --rerun-incomplete --printshellcmds
 
 # NOTEBOOKS is passed quoted ('"00"'), so Snakemake keeps "00" a string instead of the integer 0;
-# `lib.runner recover` first removes what a killed run left (a stale lock, hidden .partial notebooks).
-# The notebooks read the committed measurement records (results/<model>/measurements/, lib/store.py) and compute
+# `lib.infra.runner recover` first removes what a killed run left (a stale lock, hidden .partial notebooks).
+# The notebooks read the committed measurement records (results/<model>/measurements/, lib/infra/store.py) and compute
 # only the missing ones; FRESH=1 computes every record again (COMPENDIUM_RECORDS=fresh) and re-runs every notebook.
 FRESH ?=
 reproduce: $(STAMP) $(KERNEL_CFG) ## run the notebooks through Snakemake (MODEL=<name>: that model's grid; NOTEBOOKS=01,02: a subset; FRESH=1: every record measured again)
-	$(PY) -m lib.runner recover
+	$(PY) -m lib recover
 	$(if $(FRESH),COMPENDIUM_RECORDS=fresh COMPENDIUM_FRESH_SINCE=$$(date -u +%Y-%m-%dT%H:%M:%S)) $(SNAKEMAKE) $(if $(FRESH),--forceall) --config run=$(or $(MODEL),default) job_threads=$(JOB_THREADS) $(if $(DEVICE),device=$(DEVICE)) $(if $(NOTEBOOKS),only='"$(NOTEBOOKS)"')
-	$(PY) -m lib.store manifest
+	$(PY) -m lib.infra.store manifest
 
 workflow-dry-run: $(STAMP) ## list every notebook x model job of the full grid (nothing runs)
 	$(VENV)/bin/snakemake -n --forceall --config run=all
 
 # `make test` runs pytest on lib/ and nbval on each notebook as separate jobs, WORKERS at a time (default:
 # COMPENDIUM_THREADS, 2 unless set; each job gets COMPENDIUM_THREADS / WORKERS threads, a job that starts alone
-# all of them), a notebook only after the notebooks whose cached artifacts it reuses (lib/runner.py: NEEDS, TEST_AFTER).
+# all of them), a notebook only after the notebooks whose cached artifacts it reuses (lib/infra/runner.py: NEEDS, TEST_AFTER).
 WORKERS ?=
 # The notebooks run in strict mode: they read the committed records and compute none (a missing one is an error
 # naming the command that builds it); a seeded sample of those records is recomputed and compared (the audit).
 test: $(STAMP) $(KERNEL_CFG) ## pytest on lib/, nbval on every notebook from the committed records, and the audit
-	HF_HUB_OFFLINE=1 $(PY) -m lib.runner test $(if $(WORKERS),--workers $(WORKERS))
+	HF_HUB_OFFLINE=1 $(PY) -m lib test $(if $(WORKERS),--workers $(WORKERS))
 
 test-lib: $(STAMP) ## pytest on lib/ with tiny random models of every family
 	HF_HUB_OFFLINE=1 $(PY) -m pytest tests -q
 
 test-notebooks: $(STAMP) $(KERNEL_CFG) ## nbval on every notebook in notebooks/ (NOTEBOOKS=07,10: a subset), as make test does, without the audit
-	HF_HUB_OFFLINE=1 $(PY) -m lib.runner test --no-lib --no-audit $(if $(WORKERS),--workers $(WORKERS)) $(if $(NOTEBOOKS),--notebooks '$(NOTEBOOKS)')
+	HF_HUB_OFFLINE=1 $(PY) -m lib test --no-lib --no-audit $(if $(WORKERS),--workers $(WORKERS)) $(if $(NOTEBOOKS),--notebooks '$(NOTEBOOKS)')
 
 # A seeded sample of the committed records (one of each step at least, rotating with the commit, about AUDIT_BUDGET
 # seconds of recorded wall time) measured again on this machine and compared under each step's stated tolerance.
 AUDIT_BUDGET ?= 600
 audit: $(STAMP) $(KERNEL_CFG) ## recompute a seeded sample of the committed records and compare them (NOTEBOOKS=03,05: only theirs)
-	HF_HUB_OFFLINE=1 $(PY) -m lib.runner audit --budget $(AUDIT_BUDGET) $(if $(NOTEBOOKS),--notebooks '$(NOTEBOOKS)')
+	HF_HUB_OFFLINE=1 $(PY) -m lib audit --budget $(AUDIT_BUDGET) $(if $(NOTEBOOKS),--notebooks '$(NOTEBOOKS)')
 
 manifest: $(STAMP) ## rewrite results/<model>/measurements/MANIFEST.md from the records' provenance
-	$(PY) -m lib.store manifest
+	$(PY) -m lib.infra.store manifest
 
 # Each notebook at COMPENDIUM_THREADS=1 and 2 (papermill, default parameters, in a copy of the tree under
 # a temporary folder); fails with a diff when a key-number cell (# NBVAL_CHECK_OUTPUT) prints differently.
 test-stability: $(STAMP) $(KERNEL_CFG) ## key-number cells must print the same at 1 and 2 threads (NOTEBOOKS=00,07; FRESH_CACHE=1: rebuild every artifact)
-	HF_HUB_OFFLINE=1 $(PY) -m lib.runner stability $(if $(NOTEBOOKS),--notebooks '$(NOTEBOOKS)') $(if $(FRESH_CACHE),--fresh-cache)
+	HF_HUB_OFFLINE=1 $(PY) -m lib stability $(if $(NOTEBOOKS),--notebooks '$(NOTEBOOKS)') $(if $(FRESH_CACHE),--fresh-cache)
 
 student: $(STAMP) ## student copies in students/: solutions (tag solution) removed, outputs cleared, checks kept (NOTEBOOKS=00)
-	$(PY) -m lib.runner student $(if $(NOTEBOOKS),--notebooks '$(NOTEBOOKS)')
+	$(PY) -m lib student $(if $(NOTEBOOKS),--notebooks '$(NOTEBOOKS)')
 
 claims: $(STAMP) ## rewrite results/<model>/claims.md from the recorded findings
-	$(PY) -m lib.runner claims $(if $(MODEL),--model $(MODEL))
+	$(PY) -m lib claims $(if $(MODEL),--model $(MODEL))
 
 # Only what runs leave (executed notebooks, timings, per-notebook records, ad-hoc run folders): the committed
 # ledgers and measurement records stay.

@@ -5,8 +5,8 @@
     .venv/bin/snakemake -n --forceall --config run=all   # list the full grid without running it
     .venv/bin/snakemake --profile profiles/slurm        # the full grid on a SLURM cluster
 
-Each job runs ``python -m lib.runner run notebooks/<nb>.ipynb --model <model> --atomic``, which
-writes results/<model>/<nb>.ipynb (only when the notebook ran through: see lib/runner.py) and
+Each job runs ``python -m lib run notebooks/<nb>.ipynb --model <model> --atomic``, which
+writes results/<model>/<nb>.ipynb (only when the notebook ran through: see lib/infra/runner.py) and
 results/<model>/timings/<nb>.json. The artifacts the notebooks share live in the cache (.cache/,
 COMPENDIUM_CACHE); the executed notebook that builds an artifact is an input of the notebooks that
 reuse it (NEEDS below), so the order is explicit and a changed notebook re-runs what depends on it.
@@ -20,12 +20,11 @@ from pathlib import Path
 
 ROOT = Path(workflow.basedir)
 sys.path.insert(0, str(ROOT))
-from lib import paths  # noqa: E402
-from lib.runner import NEEDS, parameter_defaults  # noqa: E402
+from lib.infra import index, paths  # noqa: E402
 
 configfile: str(ROOT / "config" / "models.yaml")
 
-# Real runs work in the repository root (lib.runner writes to <root>/results); the workflow tests
+# Real runs work in the repository root (lib.infra.runner writes to <root>/results); the workflow tests
 # point `notebooks_dir` and `workdir` at a scratch folder for a dry run.
 workdir: config.get("workdir", str(ROOT))
 
@@ -33,8 +32,9 @@ PY = shlex.quote(sys.executable)  # the Python that runs Snakemake (the compendi
 NB_DIR = Path(config.get("notebooks_dir", ROOT / "notebooks")).resolve()
 PARAMS_DIR = ROOT / "params"
 
-# Which notebook's executed copy (and so its cached artifacts) each notebook needs, by number: lib/runner.py
-# (NEEDS), shared with `make test`'s scheduler.
+# Which notebook's executed copy (and so its cached artifacts) each notebook needs, by number: the index
+# config/notebooks.yaml (lib.infra.index), which `make test` reads too.
+NEEDS = index.needs()
 
 NUMBERED = re.compile(r"^(\d\d)_[a-z0-9_]+$")
 NOTEBOOKS = {p.stem: p for p in sorted(NB_DIR.glob("*.ipynb")) if NUMBERED.match(p.stem)}
@@ -55,7 +55,7 @@ def needs(number):
 
 def default_model(stem):
     """The notebook's own default model_name (its parameters cell)."""
-    defaults = parameter_defaults(NOTEBOOKS[stem])
+    defaults = index.parameter_defaults(NOTEBOOKS[stem])
     if "model_name" not in defaults:
         raise ValueError(f"{NOTEBOOKS[stem]} has no literal model_name in a cell tagged 'parameters'")
     return str(defaults["model_name"])
@@ -179,7 +179,7 @@ rule model_weights:
 
 
 rule notebook:
-    """Execute one notebook for one model with papermill (lib.runner)."""
+    """Execute one notebook for one model with papermill (lib.infra.runner)."""
     input:
         notebook=lambda wc: NOTEBOOKS[wc.nb],
         weights=ancient("results/{model}/model_dir.txt"),  # fetched once; not a reason to re-run
@@ -202,7 +202,7 @@ rule notebook:
         runtime=res("runtime", 60),
         **EXTRA_RESOURCES,
     shell:
-        "cd {ROOT} && COMPENDIUM_THREADS={threads} {PY} -m lib.runner run {input.notebook:q} --model {params.name:q} --atomic "
+        "cd {ROOT} && COMPENDIUM_THREADS={threads} {PY} -m lib run {input.notebook:q} --model {params.name:q} --atomic "
         "{params.device} > {log:q} 2>&1"
 
 
@@ -216,7 +216,7 @@ rule claims:
         name=lambda wc: NAMES[wc.model],
         only=f"--notebooks {','.join(sorted(ONLY))}" if ONLY else "",  # a subset publishes only its own rows
     shell:
-        "cd {ROOT} && {PY} -m lib.runner claims --model {params.name:q} {params.only}"
+        "cd {ROOT} && {PY} -m lib claims --model {params.name:q} {params.only}"
 
 
 rule merge_claims:
@@ -226,8 +226,8 @@ rule merge_claims:
     output:
         "results/claims.md",
     run:
-        from lib.results import merge_claims, models_with_records
-        from lib.runner import write_readme
+        from lib.infra.results import merge_claims, models_with_records
+        from lib.infra.runner import write_readme  # noqa: E402
 
         have = set(models_with_records())
         merge_claims([m for m in ORDER if m in have] + sorted(have - set(ORDER)))

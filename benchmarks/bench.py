@@ -586,7 +586,7 @@ def deviations(args) -> list[str]:
         out.append(f"item 2's memory subprocesses ran {args.mem_prompts} prompts (the peak is per batch; item 4 has lib at "
                    "every size)")
     if getattr(args, "threads", 2) != 2:
-        out.append(f"torch threads = {args.threads} (`lib.repro.setup` default: 2; see the thread table at the end)")
+        out.append(f"torch threads = {args.threads} (`lib.infra.repro.setup` default: 2; see the thread table at the end)")
     return out
 
 
@@ -719,7 +719,7 @@ def report(res: dict, command: str) -> str:
               f"batch ({a['batch_size']} x {a['tokens']} tokens) and a per-prompt greedy generation of 2 prompts x 8 new tokens. "
               f"The rest of this run used {mc['threads']} thread(s). With more runnable threads than cores (see the load "
               "average), every parallel operation waits for its slowest thread, and small operations (one-token decoding "
-              "steps) suffer most; on a shared machine `COMPENDIUM_THREADS=1` (read by `lib.repro.setup`) avoids that.", "",
+              "steps) suffer most; on a shared machine `COMPENDIUM_THREADS=1` (read by `lib.infra.repro.setup`) avoids that.", "",
               "| threads | forward batch (median) | tokens/s | short generation (median) | tokens/s |", "|---|---|---|---|---|"]
         for k in th["forward"]:
             tf_, tg = median(th["forward"][k]), median(th["generate"].get(k, []))

@@ -1,24 +1,27 @@
-"""Thin shared library of the compendium: paths, models, hooks, metrics, data, results.
+"""Thin shared library of the compendium, in three layers whose imports point one way (papers -> core -> infra):
 
-Import the modules you need: ``from lib import models, hooks, metrics``.
-Each paper's story lives in its notebooks; this package holds only what several
-notebooks (and every model family) share.
+* the core, here: models (loading), hooks, metrics (generation and scores), stats, verdict, data, plotting,
+  shared by every paper and model family: ``from lib import models, hooks, metrics``;
+* :mod:`lib.papers`: each paper's own code, one package per paper (a paper never imports another);
+* :mod:`lib.infra`: paths, cache, seeds, the measurement store, parameters, ledgers, running and testing.
+
+Each paper's story lives in its notebooks. ``python -m lib --help`` lists the commands.
 """
 import importlib.util
 import os
 import sys
 import warnings
 
-# Outside the compendium's environment (`python3 -m lib.runner ...` with the system Python) the first heavy
+# Outside the compendium's environment (`python3 -m lib ...` with the system Python) the first heavy
 # import would fail with a bare ModuleNotFoundError: say instead which package is missing and what to run.
-# find_spec only looks for the package, it imports nothing. lib.colab runs before anything is installed
-# (it installs the environment on Colab and Binder), so `python -m lib.colab` is let through.
+# find_spec only looks for the package, it imports nothing. lib.infra.colab runs before anything is installed
+# (it installs the environment on Colab and Binder), so `python -m lib.infra.colab` is let through.
 CORE_PACKAGES = ("numpy", "pandas", "torch", "transformers", "papermill")
 
 
 def _check_environment() -> None:
     argv = list(getattr(sys, "orig_argv", ()))
-    if "-m" in argv and argv[argv.index("-m") + 1:argv.index("-m") + 2] == ["lib.colab"]:
+    if "-m" in argv and argv[argv.index("-m") + 1:argv.index("-m") + 2] == ["lib.infra.colab"]:
         return
     missing = next((name for name in CORE_PACKAGES if importlib.util.find_spec(name) is None), None)
     if missing:
@@ -36,6 +39,5 @@ warnings.filterwarnings("ignore", message="IProgress not found")
 if os.environ.get("COMPENDIUM_PROGRESS", "").strip().lower() in {"0", "false", "no", "off"}:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-from lib import paths  # noqa: E402,F401  (cheap; the heavy modules load on demand)
 
-__all__ = ["paths", "models", "hooks", "metrics", "data", "results", "plotting", "cache"]
+__all__ = ["models", "hooks", "metrics", "stats", "verdict", "data", "plotting"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from lib.paths import DATA
+from lib.infra.paths import DATA
 
 GLUE_TASKS = ("SST-2", "CoLA", "RTE", "MRPC")
 GLUE_SPLITS = ("train", "dev")

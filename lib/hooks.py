@@ -34,7 +34,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from lib import repro
+from lib.infra import repro
 from lib.models import Loaded
 
 MODES = ("set", "scale", "add", "zero")

@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from lib import repro
+from lib.infra import repro
 from lib.hooks import GENERATION_BATCH, batches, cache_argument, hooked
 from lib.models import Loaded
 
@@ -312,7 +312,7 @@ def _plain_tweet(text: str) -> str:
 
 def embedding_scorer(n_davidson_per_class: int = 1000, seed: int = 0, encoder: str = "minilm-l6",
                      max_length: int = 128) -> EmbeddingScorer:
-    """The :data:`EMBEDDING_SCORER`, cached (``lib.cache``, keyed by its settings and the content hash
+    """The :data:`EMBEDDING_SCORER`, cached (``lib.infra.cache``, keyed by its settings and the content hash
     of its data). Training data: ``n_davidson_per_class`` Davidson tweets per class (80% train, 20%
     held out) and the Jigsaw sample's labelled comments (half train, half held out, stratified); the
     held-out AUC is reported per data set, since the comments are the harder, rarer-positive test.
@@ -323,7 +323,8 @@ def embedding_scorer(n_davidson_per_class: int = 1000, seed: int = 0, encoder: s
     cleaned or not) by these held-out AUCs and by six hand-written sentences: its AUCs (about 0.97 on
     tweets, 0.88 on comments) are therefore slightly optimistic. The standardised C = 1 fit scored
     "you are a fucking idiot" 0.00 while reaching 0.93 AUC on tweets: a fit to tweet artefacts."""
-    from lib import cache, data
+    from lib import data
+    from lib.infra import cache
 
     def split(df, text, test_size):
         from sklearn.model_selection import train_test_split

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lib import paths
+from lib.infra import paths
 
 # ----------------------------------------------------------------------------- registry
 
@@ -128,7 +128,7 @@ DEVICE_MAP_ENV = "COMPENDIUM_DEVICE_MAP"
 
 def default_device_map(device: str | None = "auto") -> str | None:
     """The ``device_map`` that :func:`load` falls back on when its caller passes none: the environment
-    variable COMPENDIUM_DEVICE_MAP (``lib.runner`` sets it from params/<model>.yaml, so notebooks that
+    variable COMPENDIUM_DEVICE_MAP (``lib.infra.runner`` sets it from params/<model>.yaml, so notebooks that
     have no device_map parameter spread large models over the GPUs), for ``device`` 'auto' or 'cuda'
     only; an explicit cpu, mps or cuda:N is kept. None when the variable is unset or empty."""
     if device not in (None, "auto", "cuda"):

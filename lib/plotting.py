@@ -1,12 +1,12 @@
 """One figure style and one way to save figures: figures/<model>/<name>.png and .svg (a run at
-non-default parameters: results/<model>/runs/<key>/figures/, see lib.params)."""
+non-default parameters: results/<model>/runs/<key>/figures/, see lib.infra.params)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import matplotlib
 
-from lib import params, paths
+from lib.infra import params, paths
 
 MAX_VECTOR_ELEMENTS = 5000  # a collection with more points or paths than this is rasterized in the SVG
 
@@ -25,7 +25,7 @@ def setup() -> None:
 def save(fig, model_name: str, name: str) -> Path:
     """Save ``fig`` to figures/<model>/<name>.png, with an SVG beside it, and return the PNG's path
     (name like '01_probe_accuracy'). Neither file carries a date or software tag (reproducible bytes).
-    When the run checked by lib.params.check is for this model and at non-default parameters, the
+    When the run checked by lib.infra.params.check is for this model and at non-default parameters, the
     figure goes to its run folder instead (results/<model>/runs/<key>/figures/), so an ad-hoc run
     never overwrites a tracked figure."""
     if not name or "/" in name:

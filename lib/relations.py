@@ -32,7 +32,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from lib import cache, data, hooks, metrics, repro, store
+from lib import data, hooks, metrics
+from lib.infra import cache, repro, store
 from lib.models import Loaded
 
 
@@ -464,7 +465,7 @@ class Study:
         """[rows used by some relation, units.size] each identification row's mean response of every unit
         (float16): kept from the identification pass that built the study, else (the study was read from its
         record, which keeps the scores, not these responses) measured again on these rows alone and cached
-        (:mod:`lib.cache`). Only new scorings need it (:meth:`ap_of`, :meth:`ap_many`, a new :meth:`rank_many`)."""
+        (:mod:`lib.infra.cache`). Only new scorings need it (:meth:`ap_of`, :meth:`ap_many`, a new :meth:`rank_many`)."""
         if self.pooled_rows is None:
             def build():
                 return answer(self.lm, self.row_prompt, self.row_gold, 1, self.protocol.rule, self.units, record=True,
@@ -915,7 +916,7 @@ def klar_aligned_tests(study: Study, lang: str) -> TestSet:
     return TestSet.of(out) if out else TestSet([], [], np.array([], dtype=str))
 
 
-# ----------------------------------------------------------------------------- records (lib.store)
+# ----------------------------------------------------------------------------- records (lib.infra.store)
 # What paper C measures, kept as committed records, and what the audit allows when it measures one again on
 # another machine. A recomputed accuracy or mean log-probability may move by at most AUDIT_FRACTION of the
 # committed value's 95% half-width: greedy answers on another CPU flip where two tokens nearly tie, which moves

@@ -57,7 +57,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lib import hooks, metrics, models, repro
+from lib import hooks, metrics, models
+from lib.infra import repro
 
 COLLAPSE_THRESHOLD = 0.1  # a head is "collapsed" when its mean normalised entropy is below this
 J_MODES = ("repulsive", "free")  # J = -softplus(theta) (J < 0 by construction), or J = theta (the earlier variant)

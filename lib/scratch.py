@@ -31,7 +31,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from lib import models, repro, store
+from lib import models
+from lib.infra import repro, store
 from lib.saobp import (DEFAULT_J, J_MODES, AttentionStats, active, attach, attention_stats, batches, depth_fall, get,
                        no_cache, trim)
 
@@ -328,9 +329,10 @@ def accuracy_or_perplexity(lm: models.Loaded, enc: dict, batch_size: int = 64) -
 SCRATCH_TASKS = ("SST-2", "CoLA", "RTE", "MRPC", "multihop", "LM")
 
 
-def check_tasks(tasks, name: str = "tasks") -> list[str]:
+def check_tasks(name: str, tasks, values: dict | None = None) -> list[str]:
     """``tasks`` (a parameter of notebooks 09 and 10) as a list, checked before anything heavy runs: at least
-    one name, each in :data:`SCRATCH_TASKS`; else one line naming the parameter and the valid tasks."""
+    one name, each in :data:`SCRATCH_TASKS`; else one line naming the parameter and the valid tasks. The
+    signature of a bound of :func:`lib.nb.start` (``values``, the other parameters, is not needed here)."""
     import difflib
 
     tasks = [tasks] if isinstance(tasks, str) else list(tasks)
@@ -410,7 +412,7 @@ def scratch_run(task: str, size: str, seed: int, variant: str, steps: int, batch
                 curve_every: int = 0, where: bool = False) -> dict:
     """Train a from-scratch model (BERT classifier, or Llama LM for task 'LM') of ``size`` (see
     :data:`SIZES`) with ``variant`` 'baseline', 'saobp' (learnable J from ``J``) or 'saobp-fixed';
-    evaluate on dev and measure attention statistics on ``n_stats`` dev examples. Cached (lib.cache).
+    evaluate on dev and measure attention statistics on ``n_stats`` dev examples. Cached (lib.infra.cache).
 
     j_mode: 'repulsive' (J = -softplus(theta), J < 0 by construction; ``J`` must be < 0) or 'free' (the
     earlier unconstrained J). The baseline ignores ``J`` and ``j_mode``. ``curve_every`` > 0: the
@@ -426,11 +428,11 @@ def scratch_run(task: str, size: str, seed: int, variant: str, steps: int, batch
     on one CPU thread (:func:`one_thread`), so a run's numbers do not depend on COMPENDIUM_THREADS or on
     whether :func:`scratch_runs` built it in a worker process.
 
-    Each run is a committed record (lib.store, step 'scratch-run', under the fixed owner ``scratch``: the runs
+    Each run is a committed record (lib.infra.store, step 'scratch-run', under the fixed owner ``scratch``: the runs
     are the same whichever notebook's model asks for them), keyed by these parameters.
 
     ``where=True``: return whether the run's record exists (without training it) instead of the run."""
-    from lib import cache
+    from lib.infra import cache
 
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}: use one of {', '.join(SIZES)}")
@@ -527,7 +529,7 @@ def scratch_runs(configs: Sequence[dict], workers: int | None = None, progress: 
     if n > 1 and len(todo) > 1:
         for name in sorted({c.get("decoder", "smollm2-135m") if c["task"] == "LM" else c.get("encoder", "minilm-l6") for c in todo}):
             models.prepare_embedded(name)  # once, here, rather than by every worker at the same time
-        from lib import params
+        from lib.infra import params
 
         run = params.current()
         if run is not None:  # the workers' records name the notebook they were measured for (their provenance)
@@ -563,7 +565,7 @@ def finetune(model_name: str, arm: str, seed: int, train_enc: dict, texts_enc: d
     Cache key: kind 'saobp-finetune' for ``model_name`` with the fields notebook 08's own loop had
     (version 2) plus the encodings' content hash; the SAOBP arm's key adds ``J`` and ``j_mode``
     (it used to start at J = 0, which the repulsive mode cannot represent)."""
-    from lib import cache
+    from lib.infra import cache
 
     if arm not in ("baseline", "saobp"):
         raise ValueError(f"unknown arm {arm!r}: use 'baseline' or 'saobp'")
@@ -595,7 +597,7 @@ def finetune(model_name: str, arm: str, seed: int, train_enc: dict, texts_enc: d
     return store.measure("saobp-finetune", store.owner(model_name), params, build, device=str(device))
 
 
-# ----------------------------------------------------------------------------- records (lib.store)
+# ----------------------------------------------------------------------------- records (lib.infra.store)
 SCRATCH_OWNER = "scratch"  # results/scratch/measurements/: the from-scratch runs, shared by notebooks 07, 09 and 10
 CURVE_TOLERANCE = 0.05  # a recomputed run's final training loss (and perplexity) may differ by 5% of the committed one
 

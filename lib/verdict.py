@@ -31,9 +31,8 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from lib.stats import ControlComparison, Estimate, mde_from_interval
+from lib.stats import ControlComparison, Estimate, mde_from_interval, mde_from_width
 
-VERDICTS = ("holds", "partly holds", "does not hold", "inconclusive")
 # Fewest matched controls whose band an effect can be "beyond": with fewer, the 95th percentile is the
 # largest control or worse, and the rank p-value cannot fall below 1/(n+1) (the compendium's verdict standard requires 10).
 MIN_CONTROLS = 10
@@ -166,8 +165,17 @@ class Verdict:
             "n": self.n,
             "verdict": self.verdict,
             "reason": self.reason,
+            "detectable": self.detectable(),
             "plot": self.plot(),
         }
+
+    def detectable(self) -> str:
+        """The smallest effect this measurement would find with 80% power, from its interval's width
+        (:func:`lib.stats.mde_from_width`), 2 significant digits; "" without an interval."""
+        p = self.plot()
+        if p.get("low") is None or p.get("high") is None:
+            return ""
+        return f"{mde_from_width(float(p['high']) - float(p['low'])):.2g}"
 
     def plot(self) -> dict:
         """The numbers a forest plot of the ledger draws (None where absent): the estimate and its

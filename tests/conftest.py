@@ -11,7 +11,8 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 import tempfile  # noqa: E402
 
-from lib import models, params, paths, store  # noqa: E402
+from lib import models  # noqa: E402
+from lib.infra import params, paths, store
 
 # The measurement store of the tests: never the repository's results/, never make test's strict mode or audit
 # (module-scoped fixtures write here; each test gets an empty store of its own, see below)

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from lib import hooks, models, paths
+from lib import hooks, models
+from lib.infra import paths
 
 _spec = importlib.util.spec_from_file_location("bench", paths.ROOT / "benchmarks" / "bench.py")
 bench = importlib.util.module_from_spec(_spec)

@@ -1,4 +1,4 @@
-"""lib.cache: content hashes, and artifacts derived from data keyed by that data.
+"""lib.infra.cache: content hashes, and artifacts derived from data keyed by that data.
 
 A cached artifact made from prompt texts, facts, pairs or labelled rows must be rebuilt when one of
 them changes; here the data files are copies in a scratch folder, edited one line at a time."""
@@ -14,7 +14,8 @@ import pandas as pd
 import pytest
 import torch
 
-from lib import cache, data, models, paths, store
+from lib import data, models
+from lib.infra import cache, paths, store
 from lib.papers import dpo
 from lib.papers.dpo import neurons as dpo_neurons
 from lib import scratch as lib_scratch  # the fixture below is called scratch
@@ -145,8 +146,8 @@ def keys(monkeypatch):
             return types.SimpleNamespace()
         return {"pairs": pd.DataFrame(), "n_tried": 0, "n_looping": 0, "scorer": "none"} if kind == "pairs" else None
 
-    monkeypatch.setattr(cache, "get_or_build", record)  # artifacts (lib.cache)
-    monkeypatch.setattr(store, "measure", record)  # records (lib.store)
+    monkeypatch.setattr(cache, "get_or_build", record)  # artifacts (lib.infra.cache)
+    monkeypatch.setattr(store, "measure", record)  # records (lib.infra.store)
     return seen
 
 
@@ -190,7 +191,8 @@ def test_saobp_scratch_run_key_holds_the_task_rows(scratch, keys):
 def test_finetune_key_holds_the_encodings(scratch, monkeypatch):
     """scratch.finetune's artifact is keyed by the encodings' content: one changed token id, a new key."""
     import torch
-    from lib import cache, scratch as sc
+    from lib import scratch as sc
+    from lib.infra import cache
 
     seen = []
     monkeypatch.setattr(store, "measure", lambda kind, model, params, build, **kw: seen.append(params))

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from lib import hooks, metrics, models, paths, store
+from lib import hooks, metrics, models
+from lib.infra import paths, store
 from lib.papers import dpo
 from lib.papers.dpo import evaluation, training
 from lib.papers.dpo import neurons as dpo_neurons
@@ -180,7 +181,7 @@ def test_dpo_run_is_a_record_and_its_weights_are_trained_only_when_used(llama, m
 
     import pandas as pd
 
-    from lib import store
+    from lib.infra import store
 
     pairs = pd.DataFrame({"prompt": ["the cat sat", "a river runs", "one two", "green house"],
                           "chosen": [" on the mat", " to the sea", " three four", " on the hill"],
@@ -240,7 +241,7 @@ def test_dpo_precomputed_reference_gives_the_same_weights(llama, tmp_path):
     """The reference log-probabilities computed once before training (the default) train the same model,
     bit for bit, as a reference model run at every step (TRL's way without precompute_ref_log_probs)."""
     import pandas as pd
-    from lib import repro
+    from lib.infra import repro
 
     pairs = pd.DataFrame({"prompt": ["the cat sat", "a river runs", "one two", "green house", "blue sky"],
                           "chosen": [" on the mat", " to the sea", " three four", " on the hill", " and sun"],
@@ -267,7 +268,7 @@ def test_dpo_scores_the_completions_alone_and_trains_the_same(llama, tmp_path, m
     position, up to float rounding; the switch is put back afterwards."""
     import pandas as pd
     import trl.trainer.utils as trl_utils
-    from lib import repro
+    from lib.infra import repro
 
     pairs = pd.DataFrame({"prompt": ["the cat sat down on", "a long river runs", "one two", "green house"],
                           "chosen": [" on the mat", " to the sea", " three four", " on the hill"],
@@ -308,7 +309,7 @@ def test_dpo_runs_share_the_reference_log_probs_and_train_the_same(llama, tmp_pa
     computing them, and trains the same weights, bit for bit, as a run that computes them itself."""
     import pandas as pd
     from trl import DPOTrainer
-    from lib import repro
+    from lib.infra import repro
 
     pairs = pd.DataFrame({"prompt": ["the cat sat", "a river runs", "one two", "green house"],
                           "chosen": [" on the mat", " to the sea", " three four", " on the hill"],
@@ -504,9 +505,9 @@ def test_too_many_statistics_prompts_blame_n_stats_prompts():
     assert str(e.value) == (f"n_stats_prompts must be at most {n - 600}: there are {n} challenge prompts and the "
                             f"statistics start at stats_offset = 600; a lower stats_offset (at least n_prompts = 64) "
                             f"leaves up to {n - 64}; got 100000")
-    for evaluation in (True, False):  # through paper A's setup (02-06; 04 scores no prompts), before anything loads
+    for with_evaluation in (True, False):  # through paper A's setup (02-06; 04 scores no prompts), before anything loads
         with pytest.raises(ValueError, match=r"^n_stats_prompts must be at most \d+: there are \d+ challenge prompts"):
-            dpo.setup("smollm2-135m", "cpu", overrides={"n_stats_prompts": 100000}, evaluation=evaluation)
+            dpo.setup("smollm2-135m", "cpu", overrides={"n_stats_prompts": 100000}, evaluation=with_evaluation)
     with pytest.raises(ValueError, match=r"^n_prompts must be at most \d+ \(the challenge prompts"):
         dpo.prompt_sets("", n_prompts=100000)
     assert len(dpo.prompt_sets("", n_prompts=64, n_stats_prompts=n - 64, stats_offset=64)[1]) == n - 64
@@ -552,7 +553,7 @@ def test_base_and_dpo_rejects_unknown_sizes():
 def test_notebook_06_word_lists_default_to_the_shared_toxic_token_direction():
     """01 builds the toxic-token direction from dpo.TOXIC_WORDS / NONTOXIC_WORDS; 06 takes the lists as
     parameters (papermill needs literals), whose defaults must be the same words."""
-    from lib import params
+    from lib.infra import params
 
     spec = params._parameters("06_activation_editing")
     assert spec["toxic_words"][1] == list(dpo.TOXIC_WORDS)

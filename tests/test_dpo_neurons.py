@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from lib import cache, hooks, models
+from lib import hooks, models
+from lib.infra import cache
 from lib.papers.dpo import neurons as dn
 
 
@@ -195,7 +196,7 @@ def test_generation_stats_and_cached_pair_stats(pair, tmp_path, monkeypatch):
     out = dn.pair_stats("tiny", base, tuned, {"steps": 1}, prompts, max_new_tokens=4, k=3, batch_size=2, progress=False)
     torch.testing.assert_close(out["base"], stats.mean, atol=1e-5, rtol=1e-4)
     assert out["tuned"].shape == stats.mean.shape and not torch.allclose(out["tuned"], out["base"])
-    assert len(list((tmp_path / "store").rglob("neuron-stats/*.json*"))) == 1  # one record (lib.store)
+    assert len(list((tmp_path / "store").rglob("neuron-stats/*.json*"))) == 1  # one record (lib.infra.store)
     again = dn.pair_stats("tiny", base, tuned, {"steps": 1}, prompts, max_new_tokens=4, k=3, batch_size=2, progress=False)
     assert torch.equal(again["tuned"], out["tuned"])
     # the per-prompt means are not in the record: computed again from its continuations, they average to its means

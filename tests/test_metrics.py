@@ -94,7 +94,7 @@ def test_generation_refuses_encoders():
 
 def test_perplexity_bar_total_is_the_windows_scored(tiny_decoder, monkeypatch):
     """The bar's total is the number of windows actually scored (it froze at 6/8 when the loop stopped early)."""
-    from lib import repro
+    from lib.infra import repro
 
     seen = {}
 
@@ -112,7 +112,7 @@ def test_perplexity_bar_total_is_the_windows_scored(tiny_decoder, monkeypatch):
 
 
 def test_progress_switch(monkeypatch):
-    from lib import repro
+    from lib.infra import repro
 
     monkeypatch.delenv(repro.PROGRESS_ENV, raising=False)
     assert repro.progress_on() and not repro.bar(range(2)).disable
@@ -130,7 +130,7 @@ def test_library_bars_silence_trl_and_restore_the_environment(monkeypatch):
     """With bars off, library_bars sets TQDM_DISABLE (TRL's precompute bar reads it) and puts back what was there."""
     import os
 
-    from lib import repro
+    from lib.infra import repro
 
     monkeypatch.delenv(repro.PROGRESS_ENV, raising=False)
     for before in (None, ""):
@@ -169,7 +169,8 @@ def test_embedding_scorer_finds_a_planted_vocabulary_and_nothing_in_shuffled_lab
     """The second toxicity scorer (metrics.EMBEDDING_SCORER) on a tiny random BERT: it must separate
     texts whose toxic class uses other words (held-out AUC near 1) and must not when the labels are
     random; scores are probabilities, a text without words scores 0, and the fit is cached."""
-    from lib import data, models, paths
+    from lib import data, models
+    from lib.infra import paths
 
     monkeypatch.setattr(paths, "CACHE", tmp_path / "cache")
     tweets, comments = _planted_frames(80, 0, planted)

@@ -108,7 +108,7 @@ def test_unsupported_model_type_is_a_clear_error():
 
 
 def test_device_map_argument_and_its_environment_fallback(tmp_path, monkeypatch):
-    """load(device_map=...) is the parameter; COMPENDIUM_DEVICE_MAP (set by lib.runner) is only the
+    """load(device_map=...) is the parameter; COMPENDIUM_DEVICE_MAP (set by lib.infra.runner) is only the
     fallback when none is passed, and never overrides an explicit cpu / mps / cuda:N device."""
     models.tiny_random("llama", folder=tmp_path / "m")
     monkeypatch.delenv(models.DEVICE_MAP_ENV, raising=False)

@@ -1,4 +1,4 @@
-"""lib.params.check: unknown names, types, list parsing, published vs ad-hoc runs, where figures go;
+"""lib.infra.params.check: unknown names, types, list parsing, published vs ad-hoc runs, where figures go;
 and every numbered notebook fed a misspelled and a mistyped parameter through papermill's own
 injection, executing only the cells up to and including the check (nothing heavy runs)."""
 from __future__ import annotations
@@ -12,7 +12,8 @@ import pytest
 from papermill.iorw import load_notebook_node
 from papermill.parameterize import parameterize_notebook
 
-from lib import params, paths, plotting, repro
+from lib import plotting
+from lib.infra import index, params, paths, repro
 
 matplotlib.use("Agg")
 
@@ -48,7 +49,7 @@ def tiny(tmp_path, monkeypatch):
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     for stem in ("11_tiny", "08_tiny"):
-        nb.cells = [nbformat.v4.new_code_cell("import os\n\nfrom lib import params"),
+        nb.cells = [nbformat.v4.new_code_cell("import os\n\nfrom lib.infra import params"),
                     nbformat.v4.new_code_cell(TINY_PARAMS, metadata={"tags": ["parameters"]}),
                     nbformat.v4.new_code_cell(f'run = params.check(globals(), "{stem}")\nlabel = "x"'),
                     nbformat.v4.new_code_cell("later = [1, 2]  # defined after the check\nfor i in range(2):\n    pass")]
@@ -58,12 +59,17 @@ def tiny(tmp_path, monkeypatch):
 
 def execute_to_check(stem: str, parameters: dict, history: bool = False) -> dict:
     """papermill's injection of ``parameters`` into notebook ``stem``; then the cells up to the injected
-    one and the first line of the derived-configuration cell (the check) in a fresh namespace.
+    one and the check (a numbered notebook's set-up cell; a tiny notebook's check line) in a fresh namespace.
     history: keep IPython's input history (_ih) as a kernel does."""
     nb = parameterize_notebook(copy.deepcopy(load_notebook_node(str(paths.NOTEBOOKS / f"{stem}.ipynb"))), parameters)
     (inj,) = [i for i, c in enumerate(nb.cells) if "injected-parameters" in c.metadata.tags]
-    check_line = nb.cells[inj + 1].source.splitlines()[0]
-    assert check_line.startswith(f'run = params.check(globals(), "{stem}")'), check_line
+    after = nb.cells[inj + 1]
+    if "setup" in after.metadata.get("tags", []):  # a numbered notebook: its set-up cell (lib.nb.start), whole
+        check_line = after.source
+        assert check_line.splitlines()[-1].startswith(f'run = nb.start(globals(), "{stem}"'), check_line
+    else:  # the scratch project's tiny notebooks: the check line itself
+        check_line = after.source.splitlines()[0]
+        assert check_line.startswith(f'run = params.check(globals(), "{stem}")'), check_line
     ns = {"_ih": [""]} if history else {}
     for src in [c.source for c in nb.cells[:inj + 1] if c.cell_type == "code"] + [check_line]:
         if history:
@@ -225,7 +231,7 @@ def _int_parameter(stem: str) -> str:
     import papermill
 
     spec = papermill.inspect_notebook(str(paths.NOTEBOOKS / f"{stem}.ipynb"))
-    return next(n for n, p in spec.items() if p["inferred_type_name"] == "int" and n != "seed" and len(n) >= 4)
+    return next(n for n, p in spec.items() if p["inferred_type_name"].partition(",")[0] == "int" and n != "seed" and len(n) >= 4)
 
 
 def _typo(name: str) -> str:
@@ -250,23 +256,27 @@ def test_every_notebook_rejects_a_misspelled_and_a_mistyped_parameter(stem):
 @pytest.mark.parametrize("stem", NOTEBOOKS)
 def test_papermill_reads_every_line_of_the_parameters_cell(stem):
     """papermill skips a parameter line it cannot parse (with only a warning, e.g. for ':=' in the
-    comment), and lib.params then neither type-checks nor lists that parameter."""
+    comment), and lib.infra.params then neither type-checks nor lists that parameter."""
     import re
 
     import papermill
 
     nb = load_notebook_node(str(paths.NOTEBOOKS / f"{stem}.ipynb"))
     (cell,) = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
-    declared = [m.group(1) for m in (re.match(r"^(\w+)\s*:\s*\w+\s*=", line) for line in cell.source.splitlines()) if m]
+    declared = [m.group(1) for m in (re.match(r'^(\w+)\s*:\s*(?:[\w\[\]]+|"[^"]*")\s*=', line) for line in cell.source.splitlines())
+                if m]
     assert declared and list(papermill.inspect_notebook(str(paths.NOTEBOOKS / f"{stem}.ipynb"))) == declared
 
 
 def execute_derived(stem: str, parameters: dict) -> dict:
-    """As execute_to_check, then the whole derived-configuration cell (light: names, ranges, data sizes)."""
+    """As execute_to_check, then the imports and the whole derived-configuration cell (light: names, choices, data
+    sizes): the two cells after the set-up cell."""
     ns = execute_to_check(stem, parameters)
     nb = load_notebook_node(str(paths.NOTEBOOKS / f"{stem}.ipynb"))
     (ip,) = [i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.tags]
-    exec(compile(nb.cells[ip + 1].source, stem, "exec"), ns)
+    assert "setup" in nb.cells[ip + 1].metadata.tags
+    for cell in nb.cells[ip + 2:ip + 4]:
+        exec(compile(cell.source, stem, "exec"), ns)
     return ns
 
 
@@ -277,7 +287,7 @@ def test_list_parameters_given_as_text_pass_the_notebooks_own_checks():
     assert ns["tasks"] == ["SST-2"]
     with pytest.raises(ValueError) as e:
         execute_derived("10_saobp_small_scale_gains", {"seeds": 0})
-    assert one_line_error(e).startswith("seeds must hold at least 3 different non-negative integers")
+    assert one_line_error(e) == "parameter 'seeds' of 10_saobp_small_scale_gains must hold at least 3 items, got [0]"
     assert execute_derived("10_saobp_small_scale_gains", {"seeds": "3,4,5"})["seeds"] == [3, 4, 5]
 
 
@@ -373,3 +383,53 @@ def test_an_empty_or_misspelled_task_list_is_named_at_the_check(stem):
         execute_to_check(stem, {"tasks": "sst-2,LM"})
     assert one_line_error(e).startswith("unknown tasks 'sst-2' (did you mean 'SST-2'?): use any of SST-2, ")
     assert execute_to_check(stem, {"tasks": "RTE,LM"})["tasks"] == ["RTE", "LM"]
+
+
+# ----------------------------------------------------------------------------- ranges in the annotations
+
+
+def test_range_clauses_parse_and_reject_what_is_not_a_clause():
+    assert params.parse_clauses(" at least 1, below 10") == (("at least", 1, False), ("below", 10, False))
+    assert params.parse_clauses("not empty, distinct, at least 6 items") == (
+        ("at least", 1, True), ("distinct", None, True), ("at least", 6, True))
+    assert params.parse_clauses("") == ()
+    with pytest.raises(ValueError, match="unknown range clause 'positive'"):
+        params.parse_clauses("positive")
+
+
+@pytest.mark.parametrize("annotation, good, bad, message", [
+    ("int, at least 1", 1, 0, "must be at least 1, got 0"),
+    ("float, above 0, at most 1", 1.0, 0.0, "must be above 0, got 0.0"),
+    ("float, at least 0, below 1", 0.0, 1.0, "must be below 1, got 1.0"),
+    ("list[float], not empty, above 0, at most 1", [0.5, 1.0], [], "must hold at least 1 items, got []"),
+    ("list[float], not empty, above 0, at most 1", [0.5], [0.5, 1.5], "must be at most 1 (each item), got [0.5, 1.5]"),
+    ("list[int], distinct, at least 2 items, at least 0", [0, 1], [1, 1], "must hold distinct items, got [1, 1]"),
+    ("list[int], distinct, at least 2 items, at least 0", [0, 1], [0, -1], "must be at least 0 (each item), got [0, -1]"),
+])
+def test_an_annotated_range_passes_its_edge_and_names_the_broken_clause(tmp_path, monkeypatch, annotation, good, bad,
+                                                                        message):
+    """A value on the edge of its range passes; one outside it is one line naming the parameter and the clause
+    (planted in a scratch notebook whose parameters cell declares the range)."""
+    monkeypatch.setattr(paths, "NOTEBOOKS", tmp_path)
+    monkeypatch.setattr(paths, "PARAMS", tmp_path)
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(f'x: "{annotation}" = {good!r}  # the value', metadata={"tags": ["parameters"]})]
+    nbformat.write(nb, tmp_path / "01_range.ipynb")
+    assert params.check({"x": good}, "01_range").values["x"] == good
+    with pytest.raises(ValueError) as e:
+        params.check({"x": bad}, "01_range")
+    assert one_line_error(e) == f"parameter 'x' of 01_range {message}"
+
+
+def test_every_numbered_notebook_declares_its_ranges_in_annotations_not_in_checks():
+    """The plain range checks of the set-up live in the parameters' annotations: no notebook's derived-
+    configuration cell raises on a bare 'must be a positive integer' any more, and every range clause parses."""
+    import papermill
+
+    for path in index.numbered_notebooks():
+        spec = papermill.inspect_notebook(str(path))
+        for name, p in spec.items():
+            params.parse_clauses(p["inferred_type_name"].partition(",")[2])  # raises on a clause it cannot read
+        source = "".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code")
+        assert "must be a positive integer" not in source, path.name

@@ -90,7 +90,7 @@ def _one_thread():
 @pytest.fixture(scope="module", autouse=True)
 def _private_cache(tmp_path_factory):
     """lib.relations caches its runs by model name; these tests write to a folder of their own."""
-    from lib import paths
+    from lib.infra import paths
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(paths, "CACHE", tmp_path_factory.mktemp("planted-cache"))

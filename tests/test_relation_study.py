@@ -11,7 +11,7 @@ from lib import hooks, metrics, models, relations
 
 @pytest.fixture(scope="module", autouse=True)
 def _private_cache(tmp_path_factory):
-    from lib import paths
+    from lib.infra import paths
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(paths, "CACHE", tmp_path_factory.mktemp("study-cache"))
@@ -204,7 +204,7 @@ def test_notebook_runs_on_a_user_facts_file(tmp_path, stem):
     so nothing is selected: the notebook must still run to its verdict ("inconclusive")."""
     import papermill
 
-    from lib import paths
+    from lib.infra import paths
 
     folder = tmp_path / "tiny-llama"
     models.tiny_random("llama", folder=folder)
@@ -264,7 +264,7 @@ def test_study_and_its_runs_are_records_read_back_without_a_forward_pass(tmp_pat
     """Paper C's measurements are records: a second setup and the same runs read them (no answering at all),
     a changed fact is a new record, strict mode computes nothing, and the identification responses a new
     scoring needs are measured again on the study's own rows (close to those the study was scored on)."""
-    from lib import store
+    from lib.infra import store
 
     lm = models.tiny_random("llama")
     subjects = [f"w{i}" for i in range(24)]
@@ -303,7 +303,7 @@ def test_study_and_its_runs_are_records_read_back_without_a_forward_pass(tmp_pat
 
 def test_audit_tolerances_of_paper_c_pass_agreement_and_fail_beyond_it():
     """Each paper C step's comparison passes a record against itself and fails a planted disagreement."""
-    from lib import store
+    from lib.infra import store
 
     rng = np.random.default_rng(0)
     ans = {"continuation": ["a"] * 40, "correct": rng.random(40) < 0.5, "rank": np.zeros(40, int), "logprob": -rng.random(40)}

@@ -4,7 +4,8 @@ import re
 import pytest
 import torch
 
-from lib import cache, paths, plotting, results, stats, verdict
+from lib import plotting, stats, verdict
+from lib.infra import cache, paths, results
 
 
 @pytest.fixture
@@ -40,8 +41,9 @@ def test_detectable_effect_from_an_interval_or_none():
     e = stats.Estimate(0.3, -0.2, 0.6, 30)
     assert abs(stats.mde_from_width(e.width) - stats.mde_from_interval(e)) < 1e-12
     assert abs(stats.mde_from_width(1.0) - (1.959964 + 0.841621) / (2 * 1.959964)) < 1e-5  # 0.71 x the width
-    assert results.detectable({"plot": {"low": -0.2, "high": 0.6}}) == f"{stats.mde_from_width(0.8):.2g}"
-    assert results.detectable({"plot": {"low": None, "high": None}}) == results.detectable({}) == ""
+    crit = verdict.Criterion(finding="f", paper="p", effect="e", threshold=0.1, control="c")
+    assert verdict.decide(crit, e).ledger()["detectable"] == f"{stats.mde_from_width(0.8):.2g}"
+    assert verdict.decide(crit, None).ledger()["detectable"] == ""
     with pytest.raises(ValueError, match="level and power"):
         stats.mde_from_width(1.0, level=1.5)
 
@@ -131,7 +133,7 @@ def test_a_figure_drawn_again_with_the_same_numbers_is_not_rewritten(tmp_project
 
 
 def test_an_adhoc_run_records_in_its_run_folder_and_leaves_the_published_ledger(tmp_project, monkeypatch):
-    from lib import params
+    from lib.infra import params
 
     results.record("m", "01_a", _verdict(finding="finding 01_a"), "published")
     published = results.write_claims("m").read_text()
@@ -229,16 +231,16 @@ def test_default_models_come_first_in_the_findings_table():
 
 def test_readme_findings_table_is_the_committed_ledgers():
     """README.md's table between its markers is findings_table() of the committed ledgers: after a new ledger,
-    `python -m lib.runner readme` rewrites it (this test then passes again)."""
-    from lib import runner
+    `python -m lib readme` rewrites it (this test then passes again)."""
+    from lib.infra import runner
 
     text = (paths.ROOT / "README.md").read_text(encoding="utf-8")
-    assert runner.readme_findings(text) == results.findings_table(), "README findings: run `python -m lib.runner readme`"
+    assert runner.readme_findings(text) == results.findings_table(), "README findings: run `python -m lib readme`"
     assert runner.readme_with_findings(text, results.findings_table()) == text
 
 
 def test_readme_rewrite_touches_only_the_block_between_the_markers(tmp_project):
-    from lib import runner
+    from lib.infra import runner
 
     start, end = runner.FINDINGS
     readme = tmp_project / "README.md"
@@ -301,7 +303,7 @@ def test_docs_tables_are_well_formed_and_links_exist(doc):
 
 
 def test_merge_without_models_puts_the_default_models_first(tmp_project, monkeypatch):
-    """`python -m lib.runner merge` with no models writes the columns in the order `make reproduce` does: the
+    """`python -m lib merge` with no models writes the columns in the order `make reproduce` does: the
     notebooks' own default models first (alphabetical order would put another model first)."""
     for m in ("zz-default", "aa-other"):
         results.record(m, "01_a", _verdict(finding="finding 01_a"), "x")

@@ -8,7 +8,8 @@ import pandas as pd
 import pytest
 import torch
 
-from lib import hooks, metrics, models, repro, saobp, scratch, store
+from lib import hooks, metrics, models, saobp, scratch
+from lib.infra import repro, store
 
 PAD_TEXTS = ["the cat sat on the mat today", "a b", "hello there my friend"]
 
@@ -353,7 +354,7 @@ def test_invalid_modes_and_shapes_raise():
 def test_notebook_10_defaults_are_the_shared_lm_recipe():
     """07 trains the baselines of scratch.LM_RECIPE and 10 reuses them from the cache: 10's parameter
     defaults must be that recipe, or 07 would show other models than 10 compares."""
-    from lib import params
+    from lib.infra import params
 
     spec = params._parameters("10_saobp_small_scale_gains")
     for k in ("steps", "batch_size", "max_length", "lr", "vocab_size", "curve_every"):
@@ -408,7 +409,7 @@ def test_collapse_search_picks_the_cheapest_setting_where_every_seed_collapses_w
 def test_scratch_runs_in_worker_processes_give_the_same_runs(tmp_path, monkeypatch):
     """Two workers and one process build the same numbers (every run trains on one thread), cached
     runs are not built again, and bad worker counts raise."""
-    from lib import paths
+    from lib.infra import paths
 
     configs = [dict(task="LM", size="mini", seed=s, variant=v, steps=2, n_stats=4, n_eval=8, vocab_size=50)
                for s, v in ((0, "baseline"), (0, "saobp"))]

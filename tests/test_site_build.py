@@ -5,7 +5,7 @@ import json
 import nbformat
 import pytest
 
-from lib import paths
+from lib.infra import index, paths
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +50,8 @@ def test_forest_draws_rows_with_numbers_and_counts_the_rest(build, tmp_path):
 
 
 def test_contents_lists_the_findings_table_and_run_times(build, tmp_path, monkeypatch):
-    """The start page's findings are lib.results.findings_table (the README's table), not a table of its own."""
-    from lib import results
+    """The start page's findings are lib.infra.results.findings_table (the README's table), not a table of its own."""
+    from lib.infra import results
 
     nbs = []
     for stem, title in (("00_tour", "00 · Tour"), ("07_entropy", "07 · Entropy")):
@@ -66,18 +66,18 @@ def test_contents_lists_the_findings_table_and_run_times(build, tmp_path, monkey
     page = build.contents(nbs)
     assert results.findings_table() in page and "| entropy falls (tiny) | no numbers | **partly holds**: 0.3" in page
     assert "(tiny) (tiny)" not in page  # the label is the ledger's, the model is a column
-    assert "[07 · Entropy](notebooks/07_entropy.ipynb)" in page and f"| {build.runner.TEST_WEIGHTS['07']} |" in page
+    assert "[07 · Entropy](notebooks/07_entropy.ipynb)" in page and f"| {int(index.test_seconds()['07'])} |" in page
     assert "## Paper B" in page and "## Paper A" not in page
     toc = build.toc(nbs)
     assert "file: notebooks/00_tour" in toc and "file: notebooks/07_entropy" in toc and "root: index" in toc
 
 
 def test_the_start_page_shows_the_readme_findings_table(build):
-    """With the committed ledgers: the start page, README.md and lib.results.findings_table show one table."""
-    from lib import results, runner
+    """With the committed ledgers: the start page, README.md and lib.infra.results.findings_table show one table."""
+    from lib.infra import results, runner
 
     table = results.findings_table()
-    assert table in build.contents(runner.numbered_notebooks())
+    assert table in build.contents(index.numbered_notebooks())
     assert runner.readme_findings((paths.ROOT / "README.md").read_text(encoding="utf-8")) == table
 
 

@@ -1,4 +1,4 @@
-"""lib.store: records keyed by step, parameters, data and method version; strict mode; the audit."""
+"""lib.infra.store: records keyed by step, parameters, data and method version; strict mode; the audit."""
 from __future__ import annotations
 
 import gzip
@@ -9,7 +9,8 @@ import pandas as pd
 import pytest
 import torch
 
-from lib import models, params, store
+from lib import models
+from lib.infra import params, store
 from lib.papers import dpo
 
 

@@ -1,4 +1,4 @@
-"""make student (lib.runner.student_copies): solutions removed, outputs cleared, checks kept; a student
+"""make student (lib.infra.runner.student_copies): solutions removed, outputs cleared, checks kept; a student
 copy runs up to its first exercise, and its first check fails until the student answers."""
 import json
 
@@ -7,7 +7,7 @@ import pytest
 import nbformat
 from nbclient import NotebookClient
 
-from lib import paths, runner
+from lib.infra import paths, runner
 
 TOUR = paths.NOTEBOOKS / "00_tour.ipynb"
 

@@ -76,7 +76,8 @@ def test_bad_criteria_fail_clearly():
 def test_ledger_has_every_column():
     v = verdict.decide(crit(), Estimate(0.2, 0.15, 0.25, 100), controls=ctl(0.2))
     row = v.ledger()
-    assert set(row) == {"finding", "paper", "estimate", "control", "preconditions", "n", "verdict", "reason", "plot"}
+    assert set(row) == {"finding", "paper", "estimate", "control", "preconditions", "n", "verdict", "reason", "detectable",
+                        "plot"}
     assert row["n"] == 100 and "[0.15, 0.25]" in row["estimate"] and "percentile" in row["control"]
     c = crit()
     assert row["plot"] == {"value": 0.2, "low": 0.15, "high": 0.25, "threshold": c.threshold, "direction": c.direction,

@@ -16,7 +16,7 @@ import nbformat
 import pytest
 import yaml
 
-from lib import paths, results, runner
+from lib.infra import index, paths, results, runner
 
 ROOT = Path(__file__).resolve().parent.parent
 SNAKEMAKE = shutil.which("snakemake", path=str(Path(sys.executable).parent)) or shutil.which("snakemake")
@@ -172,24 +172,24 @@ def test_dry_run_on_the_repository_notebooks():
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     counts = dict(re.findall(r"^(\w+)\s+(\d+)$", proc.stdout, re.M))
-    assert int(counts["notebook"]) == len(runner.numbered_notebooks())
+    assert int(counts["notebook"]) == len(index.numbered_notebooks())
     assert int(counts["merge_claims"]) == 1
 
 
 def test_parameter_defaults_match_papermill(tmp_path):
-    """The Snakefile reads each notebook's default model with lib.runner.parameter_defaults (fast);
+    """The Snakefile reads each notebook's default model with lib.infra.index.parameter_defaults (fast);
     it must agree with papermill's own reading of the parameters cell. Papermill skips a line it cannot
     parse (e.g. a comment holding ' = ') and would hide that parameter from `papermill --help-notebook`,
     so every parameter must be readable by both."""
     import papermill
 
-    for nb in [ROOT / "notebooks" / "00_tour.ipynb", *runner.numbered_notebooks()]:
-        ours = runner.parameter_defaults(nb)
+    for nb in [ROOT / "notebooks" / "00_tour.ipynb", *index.numbered_notebooks()]:
+        ours = index.parameter_defaults(nb)
         theirs = papermill.inspect_notebook(str(nb))
         assert set(theirs) == set(ours) and "model_name" in ours, (nb.name, set(ours) - set(theirs))
         for k, v in theirs.items():
             assert repr(ours[k]) == repr(eval(v["default"])), (nb.name, k)  # noqa: S307 (literals)
-    assert runner.parameter_defaults(fake_notebook(tmp_path / "x.ipynb", "org/m")) == {"model_name": "org/m", "seed": 0}
+    assert index.parameter_defaults(fake_notebook(tmp_path / "x.ipynb", "org/m")) == {"model_name": "org/m", "seed": 0}
 
 
 @pytest.fixture
@@ -263,7 +263,7 @@ def make_reproduce_command(**variables) -> list[str]:
     assert proc.returncode == 0, proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if "snakemake" in ln and "--config" in ln]
     assert len(lines) == 1, proc.stdout
-    recover = [i for i, ln in enumerate(proc.stdout.splitlines()) if "lib.runner recover" in ln]
+    recover = [i for i, ln in enumerate(proc.stdout.splitlines()) if "-m lib recover" in ln]
     assert recover and recover[0] < proc.stdout.splitlines().index(lines[0])  # recovery runs first
     cmd = shlex.split(lines[0])
     cmd[0] = str(ROOT / cmd[0]) if not Path(cmd[0]).is_absolute() else cmd[0]
@@ -416,7 +416,7 @@ def test_stability_runs_each_thread_count_outside_the_tree(tmp_path):
         assert runner.key_cell_outputs(out / f"threads-{n}" / nb.name) == [f"threads {n}\n"]
     # the run imported the copy's lib, so its figures and records went to the copy
     probe = fake_notebook(tmp_path / "98_where.ipynb", "smollm2-135m",
-                          "# NBVAL_CHECK_OUTPUT\nfrom lib import paths\nprint(paths.ROOT)")
+                          "# NBVAL_CHECK_OUTPUT\nfrom lib.infra import paths\nprint(paths.ROOT)")
     assert runner.stability([probe], (1, 2), out_dir=out, timeout=300) == {"98_where": ""}
     assert runner.key_cell_outputs(out / "threads-1" / probe.name) == [f"{(out / 'tree').resolve()}\n"]
     assert not (out / "tree").exists()  # the copy is removed after the runs
@@ -459,7 +459,7 @@ BAR = re.compile(r"\d+%\|.*\|\s*\d+/\d+|it/s\]|s/it\]")
 def test_committed_notebooks_store_no_progress_bars():
     """Stored outputs carry no tqdm / transformers bars (executions run with COMPENDIUM_PROGRESS=0)."""
     found = []
-    for nb_path in runner.numbered_notebooks():
+    for nb_path in index.numbered_notebooks():
         nb = nbformat.read(nb_path, as_version=4)
         for i, cell in enumerate(nb.cells):
             for out in cell.get("outputs", []):
@@ -470,14 +470,14 @@ def test_committed_notebooks_store_no_progress_bars():
 
 def test_executions_turn_bars_off():
     """The runner, nbval (make test-notebooks) and the stability check run with bars off."""
-    from lib import repro
+    from lib.infra import repro
 
     assert repro.quiet_env() == {"COMPENDIUM_PROGRESS": "0", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     make = (paths.ROOT / "Makefile").read_text()
-    for target in ("test:", "test-notebooks:"):  # both go through lib.runner test (run_tests)
-        assert "-m lib.runner test" in make.split(f"\n{target}", 1)[1].split("\n\n", 1)[0]
+    for target in ("test:", "test-notebooks:"):  # both go through lib.infra.runner test (run_tests)
+        assert "-m lib test" in make.split(f"\n{target}", 1)[1].split("\n\n", 1)[0]
     src = Path(runner.__file__).read_text()
-    assert src.count("repro.quiet_env()") >= 3  # lib.runner run, stability and test
+    assert src.count("repro.quiet_env()") >= 3  # lib.infra.runner run, stability and test
 
 
 # ----------------------------------------------------------------------------- make test's scheduler
@@ -522,10 +522,10 @@ def test_make_test_reads_records_strictly_and_audits_a_sample(tmp_path, monkeypa
     """make test's notebook jobs run with COMPENDIUM_RECORDS=strict: a job that needs a record the repository lacks
     fails, naming the record and the command that builds it; a committed record in the audit's plan is measured
     again inside the job that reads it, and the 'audit' job reports the comparison (and fails beyond tolerance)."""
-    from lib import store
+    from lib.infra import store
 
     monkeypatch.setenv("COMPENDIUM_THREADS", "2")
-    script = ("import sys; from lib import store\n"
+    script = ("import sys; from lib.infra import store\n"
               "store.step('toy', 1, 'a test step', lambda c, f: [store.within('v', c['v'], f['v'], 0.1, 'stated')])\n"
               "j, fresh = sys.argv[1], float(sys.argv[2])\n"
               "print(store.measure('toy', 'm', {'job': j}, lambda: {'v': fresh}))\n")
@@ -658,17 +658,17 @@ def test_make_help_lists_the_variables_the_targets_read():
 
 
 def test_lib_outside_its_environment_names_the_missing_package():
-    """`python -m lib.runner` with a Python that lacks the packages (here the venv's without site-packages):
-    one line naming the package and the fix, not a ModuleNotFoundError traceback. lib.colab, which installs
+    """`python -m lib` with a Python that lacks the packages (here the venv's without site-packages):
+    one line naming the package and the fix, not a ModuleNotFoundError traceback. lib.infra.colab, which installs
     them, still runs."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    for how in (["-m", "lib.runner", "--help"], ["-c", "from lib import data"]):
+    for how in (["-m", "lib", "--help"], ["-c", "from lib import data"]):
         proc = subprocess.run([sys.executable, "-S", *how], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 1 and proc.stdout == "", how
         assert proc.stderr.strip() == (f"lib needs the package 'numpy', which {sys.executable} cannot import: "
                                        "run `make setup` and use .venv/bin/python (or activate .venv)"), how
     if sys.version_info >= (3, 11):  # tomllib (3.10 needs tomli from site-packages)
-        proc = subprocess.run([sys.executable, "-S", "-m", "lib.colab", "--help"], cwd=ROOT, env=env,
+        proc = subprocess.run([sys.executable, "-S", "-m", "lib.infra.colab", "--help"], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stderr
 

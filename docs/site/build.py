@@ -3,9 +3,9 @@
 Writes a build source under ``docs/site/_build/src`` from what the repository holds, then runs
 ``jupyter-book build`` on it (HTML in ``docs/site/_build/_build/html``):
 
-* ``index.md``: the findings table of README.md (``lib.results.findings_table``, from
+* ``index.md``: the findings table of README.md (``lib.infra.results.findings_table``, from
   ``results/<model>/claims.json``), then the contents in reading order with each notebook's run time
-  (``lib.runner.TEST_WEIGHTS``, measured);
+  (the index config/notebooks.yaml, ``test_s``, measured);
 * ``course.md`` (this folder) and the glossary (``docs/glossary.md``);
 * ``claims.md``: one overview figure (a forest plot of every finding, :func:`forest`) and the ledgers;
 * the numbered notebooks as they are committed (never executed here), with stderr outputs dropped and
@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lib import colab, paths, results, runner  # noqa: E402
+from lib.infra import colab, index, paths, results
 
 PARTS = [("Start here", ("00",)), ("Paper A: how DPO reduces toxicity", ("01", "02", "03", "04", "05", "06")),
          ("Paper B: attention localisation and SAOBP", ("07", "08", "09", "10")),
@@ -89,7 +89,7 @@ _md = results._cell  # one escaping rule for every table cell (pipes escaped, ne
 
 
 def contents(notebooks: list[Path], models: list[str] | None = None) -> str:
-    """The start page: the findings table of README.md (:func:`lib.results.findings_table`, from the published
+    """The start page: the findings table of README.md (:func:`lib.infra.results.findings_table`, from the published
     ledgers; ``models``: its columns), then each part's notebooks with their run times."""
     lines = ["# A compendium of three EMNLP 2025 interpretability papers", "",
              "Each notebook re-runs one finding of one paper on small models and decides it by one evidence rule "
@@ -101,14 +101,14 @@ def contents(notebooks: list[Path], models: list[str] | None = None) -> str:
              "One row per finding, one column per model (verdict: estimate [95% CI]), from `results/<model>/claims.json`.",
              "", results.findings_table(models).rstrip("\n"), "",
              "Run time: seconds for the notebook's test (nbval) from an empty cache on one CPU thread beside another "
-             "job (`lib.runner.TEST_WEIGHTS`); later notebooks reuse what earlier ones cached.", ""]
+             "job (`test_s` in config/notebooks.yaml); later notebooks reuse what earlier ones cached.", ""]
     for part, numbers in PARTS:
         here = [p for p in notebooks if p.name[:2] in numbers]
         if not here:
             continue
         lines += [f"## {part}", "", "| notebook | run time (s) |", "|---|---|"]
         for p in here:
-            secs = runner.TEST_WEIGHTS.get(p.name[:2])
+            secs = index.test_seconds().get(p.name[:2])
             lines.append(f"| [{_md(_title(p))}](notebooks/{p.stem}.ipynb) | {secs if secs is not None else ''} |")
         lines.append("")
     return "\n".join(lines) + "\n"
@@ -205,14 +205,14 @@ def prepare(src: Path, mathjax: Path) -> dict:
     shutil.copy(HERE / "course.md", src / "course.md")
     shutil.copy(ROOT / "docs" / "glossary.md", src / "glossary.md")
     shutil.copytree(mathjax, src / "_static" / "mathjax")
-    notebooks = runner.numbered_notebooks()
+    notebooks = index.numbered_notebooks()
     changes = {p.stem: prepare_notebook(p, src / "notebooks" / p.name) for p in notebooks}
     rows = ledger_rows()
     (src / "index.md").write_text(contents(notebooks))
     n_drawn, n_missing = forest(rows, src / "forest")
     if rows and not n_drawn:
         print("warning: no ledger row has the numbers the forest plot needs (a 'plot' entry, lib.verdict.Verdict.plot); "
-              "re-run the notebooks and `python -m lib.runner claims` to record them", file=sys.stderr)
+              "re-run the notebooks and `python -m lib claims` to record them", file=sys.stderr)
     (src / "claims.md").write_text(claims_page(rows, n_drawn, n_missing))
     (src / "_toc.yml").write_text(toc(notebooks))
     return {"notebooks": len(notebooks), "rows": len(rows), "drawn": n_drawn, "changes": changes}

@@ -11,7 +11,7 @@
 * :mod:`~lib.papers.dpo.sizes` and :mod:`~lib.papers.dpo.shared_setup`: the sizes and the one setup call of 02-06;
 * :mod:`~lib.papers.dpo.records`: what the audit compares for each of the steps' measurement records.
 
-Every builder caches its result (:mod:`lib.cache`) or reads its measurement record (:mod:`lib.store`), so a later
+Every builder caches its result (:mod:`lib.infra.cache`) or reads its measurement record (:mod:`lib.infra.store`), so a later
 notebook reuses what an earlier one built and every notebook still runs alone. The names below are the ones the
 notebooks use (``from lib.papers import dpo``; ``dpo.setup(...)``).
 """

@@ -7,7 +7,8 @@ from typing import Sequence
 
 import numpy as np
 
-from lib import cache, data, hooks, metrics, repro, store
+from lib import data, hooks, metrics
+from lib.infra import cache, repro, store
 from lib.models import Loaded
 from lib.papers.dpo.sizes import Sizes
 

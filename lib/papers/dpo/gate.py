@@ -8,7 +8,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from lib import cache, data, hooks, metrics, repro, stats, store, verdict
+from lib import data, hooks, metrics, stats, verdict
+from lib.infra import cache, repro, store
 from lib.models import Loaded
 from lib.papers.dpo.evaluation import CONDITIONS_PER_BATCH
 from lib.papers.dpo.pairs import _tensor_key

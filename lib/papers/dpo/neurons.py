@@ -25,7 +25,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from lib import cache, hooks, metrics, stats, store
+from lib import hooks, metrics, stats
+from lib.infra import cache, store
 from lib.models import Loaded
 
 GROUPS = ("TP", "TN", "AP", "AN")
@@ -125,7 +126,7 @@ class PairStats(dict):
     """:func:`pair_stats`' result. The record keeps the means and the continuations; the per-prompt means
     ("base_per_prompt", "tuned_per_prompt", [n_prompts, n_layers, d_mlp], for intervals over prompts) are large,
     so they are computed again from the recorded continuations on first use (a forward pass of each model over
-    its texts, cached in lib.cache)."""
+    its texts, cached in lib.infra.cache)."""
 
     def __init__(self, values: dict, per_prompt, texts: str):
         super().__init__(values)

@@ -9,7 +9,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from lib import cache, data, hooks, store
+from lib import data, hooks
+from lib.infra import cache, store
 from lib.models import Loaded
 from lib.papers.dpo.sizes import Sizes
 

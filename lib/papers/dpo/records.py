@@ -1,14 +1,14 @@
-"""The measurement records of paper A's steps (lib.store): what the audit compares."""
+"""The measurement records of paper A's steps (lib.infra.store): what the audit compares."""
 from __future__ import annotations
 
 from typing import Sequence
 
 import numpy as np
 
-from lib import store
+from lib.infra import store
 
 # What paper A measures, kept as committed records; the tolerances the audit allows when it recomputes one on
-# another machine, each in units of the measurement's own uncertainty (lib.store.half_width: the half-width of
+# another machine, each in units of the measurement's own uncertainty (lib.infra.store.half_width: the half-width of
 # the normal 95% interval of a mean over prompts, texts or tweets).
 # A recomputed mean may move by at most this fraction of its committed interval's half-width: greedy decoding on
 # another CPU changes some continuations (a near-tied token flips), which moves a mean by a few prompts' worth; a

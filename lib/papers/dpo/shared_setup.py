@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lib import metrics, models, repro
+from lib import metrics, models
+from lib.infra import repro
 from lib.models import Loaded
 from lib.papers.dpo import neurons as dpo_neurons
 from lib.papers.dpo.evaluation import PATCH_POSITIONS, evaluate, evaluate_each, prompt_sets, toxicity_perplexity_f1

@@ -16,7 +16,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from lib import cache, metrics, models, repro, store
+from lib import metrics, models
+from lib.infra import cache, repro, store
 from lib.models import Loaded
 from lib.papers.dpo.pairs import _pairs_key, preference_pairs
 from lib.papers.dpo.probe import Probe, train_probe

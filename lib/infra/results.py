@@ -2,15 +2,15 @@
 
 A notebook decides each finding with :func:`lib.verdict.decide` and calls :func:`record` once per
 finding. The record lands in ``results/<model>/<notebook>.json`` (git-ignored) when the run publishes
-(``make reproduce``, :func:`lib.paths.publishing`) at the published parameters; any other run (other
-parameters, papermill or Jupyter by hand: :mod:`lib.params`) writes to ``results/<model>/runs/<key>/``,
+(``make reproduce``, :func:`lib.infra.paths.publishing`) at the published parameters; any other run (other
+parameters, papermill or Jupyter by hand: :mod:`lib.infra.params`) writes to ``results/<model>/runs/<key>/``,
 which gets a ledger of its own and never touches the published ones.
 
 The published ledger of a model is ``results/<model>/claims.json`` (git-tracked, the source) and its
 rendering ``claims.md``. :func:`write_claims` merges fresh records into it **by notebook**: a notebook
 that ran replaces its own rows; every other row stays byte for byte. :func:`findings_table` is the table of
 findings x models built from every model's claims.json: ``results/claims.md`` (:func:`merge_claims`), README.md's
-findings (``python -m lib.runner readme``) and the site's start page show it.
+findings (``python -m lib readme``) and the site's start page show it.
 """
 from __future__ import annotations
 
@@ -21,15 +21,18 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from lib import paths
-from lib.cache import atomic_write_text
-from lib.verdict import VERDICTS, Verdict
+from lib.infra import index, params, paths
+from lib.infra.cache import atomic_write_text
+
+# The verdict words a ledger row may hold (lib.verdict decides which one a finding gets).
+VERDICTS = ("holds", "partly holds", "does not hold", "inconclusive")
 
 LEDGER = "claims.json"
 # One token per Python process (a notebook's kernel): a record drops its notebook's findings written by an
 # earlier execution, so a finding that a re-run renames or no longer records leaves no stale row.
 _EXECUTION = uuid.uuid4().hex
-COLUMNS = ("notebook", "finding", "paper", "estimate", "control", "preconditions", "n", "verdict", "reason", "ours", "plot")
+COLUMNS = ("notebook", "finding", "paper", "estimate", "control", "preconditions", "n", "verdict", "reason", "ours",
+           "detectable", "plot")
 
 
 def _clean(x: Any) -> Any:
@@ -46,9 +49,7 @@ def _clean(x: Any) -> Any:
 
 
 def _run_for(model_name: str, notebook: str):
-    """The lib.params run of this notebook and model, when one is current."""
-    from lib import params
-
+    """The lib.infra.params run of this notebook and model, when one is current."""
     run = params.current()
     if run is not None and run.notebook == notebook and paths.slug(run.model_name) == paths.slug(model_name):
         return run
@@ -67,7 +68,7 @@ def record_dir(model_name: str, notebook: str) -> Path:
     return d
 
 
-def record(model_name: str, notebook: str, verdict: Verdict, ours: str = "", numbers: dict | None = None,
+def record(model_name: str, notebook: str, verdict, ours: str = "", numbers: dict | None = None,
            params: dict | None = None) -> Path:
     """Add (or replace) one finding of ``notebook`` for ``model_name``. Findings that an earlier
     execution of the notebook recorded are dropped (a re-run records all of its findings afresh).
@@ -75,7 +76,7 @@ def record(model_name: str, notebook: str, verdict: Verdict, ours: str = "", num
     verdict: from :func:`lib.verdict.decide` (finding, paper, estimate, control, preconditions, n and
     reason come from it); ours: the measured numbers in words, as the notebook prints them.
     """
-    if not isinstance(verdict, Verdict):
+    if not callable(getattr(verdict, "ledger", None)):
         raise TypeError(f"record() takes a lib.verdict.Verdict from verdict.decide(), got {type(verdict).__name__}")
     if verdict.verdict not in VERDICTS:
         raise ValueError(f"unknown verdict {verdict.verdict!r}: use one of {', '.join(VERDICTS)}")
@@ -123,17 +124,6 @@ def _cell(s: Any) -> str:
     return "" if s is None else str(s).replace("|", "\\|").replace("\n", " ")
 
 
-def detectable(row: dict) -> str:
-    """A ledger row's smallest detectable effect (80% power) from its interval's width, 2 significant
-    digits; "" for a row without an interval."""
-    from lib.stats import mde_from_width
-
-    plot = row.get("plot") or {}
-    if plot.get("low") is None or plot.get("high") is None:
-        return ""
-    return f"{mde_from_width(float(plot['high']) - float(plot['low'])):.2g}"
-
-
 def _render(model_name: str, rows: list[dict], published: bool) -> str:
     head = ["# Claims ledger: " + model_name, "",
             "Each row was measured by the notebook named; its verdict comes from `lib.verdict.decide` "
@@ -147,7 +137,7 @@ def _render(model_name: str, rows: list[dict], published: bool) -> str:
             "reason")
     lines = head + ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        cells = [r["notebook"], r["finding"], r["paper"], r["estimate"], detectable(r), r["control"], r["preconditions"],
+        cells = [r["notebook"], r["finding"], r["paper"], r["estimate"], r.get("detectable", ""), r["control"], r["preconditions"],
                  r["n"], f"**{r['verdict']}**", r["reason"]]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     if not rows:
@@ -186,9 +176,7 @@ def models_with_records() -> list[str]:
 def default_models() -> list[str]:
     """The numbered notebooks' own default models (their parameters cells, read without running them), in
     notebook order and once each: smollm2-135m, then minilm-l6."""
-    from lib import runner
-
-    found = (runner.parameter_defaults(nb).get("model_name") for nb in runner.numbered_notebooks())
+    found = (index.parameter_defaults(nb).get("model_name") for nb in index.numbered_notebooks())
     return list(dict.fromkeys(paths.slug(str(m)) for m in found if m))
 
 
@@ -198,7 +186,7 @@ def findings_table(models: list[str] | None = None) -> str:
     estimate text). ``models``: the columns, in order; default: :func:`default_models`, then every other model
     with a published ledger (:func:`models_with_records`), each only if it has a ledger. The finding label is
     the ledger's own (a row of a notebook that measures several models names its model there), never followed
-    by the model's name. README.md (``python -m lib.runner readme``), results/claims.md (:func:`merge_claims`)
+    by the model's name. README.md (``python -m lib readme``), results/claims.md (:func:`merge_claims`)
     and the site's start page (docs/site/build.py) print this table."""
     if models is None:
         have = models_with_records()
@@ -228,7 +216,7 @@ def merge_claims(models: list[str] | None = None) -> Path:
     models = [m for m in dict.fromkeys(list(models or default_models()) + have) if m in have]
     lines = ["# Claims across models", "",
              "Rows: the findings each notebook records; columns: the models it ran on "
-             "(verdict: estimate [95% CI]). Built from results/<model>/claims.json by `python -m lib.runner merge`;"
+             "(verdict: estimate [95% CI]). Built from results/<model>/claims.json by `python -m lib merge`;"
              " the reasons, controls and preconditions are in each model's claims.md.", ""]
     path = paths.RESULTS / "claims.md"
     atomic_write_text(path, "\n".join(lines) + "\n" + findings_table(models))

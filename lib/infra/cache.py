@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from lib import paths
+from lib.infra import paths
 
 
 def _canonical(obj: Any) -> Any:

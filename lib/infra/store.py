@@ -9,7 +9,7 @@ and its key hashes the step, its parameters (with the content hash of every data
 changed prompt or fact is a new record) and the step's method version (``STEPS``, bumped by hand when the
 step's meaning changes: a refactor that computes the same thing keeps every key). Each record carries its
 provenance: commit, package versions, device, CPU model, threads, wall time, date and the notebook that
-built it; ``python -m lib.store manifest`` lists them all in ``results/<model>/measurements/MANIFEST.md``.
+built it; ``python -m lib.infra.store manifest`` lists them all in ``results/<model>/measurements/MANIFEST.md``.
 
 :func:`measure` is the one way a step reads or writes its record. What it does depends on
 ``COMPENDIUM_RECORDS``:
@@ -47,8 +47,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from lib import paths
-from lib.cache import atomic_write_text, content_hash
+from lib.infra import index, params, paths
+from lib.infra.cache import atomic_write_text, content_hash
 
 RECORDS_ENV = "COMPENDIUM_RECORDS"
 MODES = ("use", "strict", "fresh")
@@ -127,8 +127,6 @@ def folder(model_name: str) -> Path:
 def owner(default: str) -> str:
     """Whose store a measurement goes to: the model of the notebook being run (a notebook's records all sit in
     its model's folder, whichever models it measures: the base, a fine-tuned copy), else ``default``."""
-    from lib import params
-
     run = params.current()
     return run.model_name if run is not None else default
 
@@ -303,8 +301,6 @@ def provenance(wall_s: float, device: str | None = None) -> dict:
     versions, device, CPU model, threads, wall time, UTC date and the notebook being run."""
     from importlib import metadata
 
-    from lib import params
-
     versions = {}
     for p in PACKAGES:
         with contextlib.suppress(metadata.PackageNotFoundError):
@@ -368,8 +364,6 @@ def write(model_name: str, step_name: str, key: str, params: dict, version: int,
 
 
 def _notebook_command(model_name: str) -> str:
-    from lib import params
-
     run = params.current()
     nb = run.notebook[:2] if run is not None else None
     model = "" if run is not None and not run.overrides and paths.slug(run.model_name) == paths.slug(model_name) \
@@ -379,9 +373,7 @@ def _notebook_command(model_name: str) -> str:
 
 def _is_default_model(notebook: str, model_name: str) -> bool:
     try:
-        from lib import runner
-
-        return paths.slug(runner.default_model(paths.NOTEBOOKS / f"{notebook}.ipynb")) == paths.slug(model_name)
+        return paths.slug(index.default_model(paths.NOTEBOOKS / f"{notebook}.ipynb")) == paths.slug(model_name)
     except Exception:  # noqa: BLE001 - only for wording the hint
         return False
 
@@ -391,7 +383,7 @@ def measure(step_name: str, model_name: str, params: dict, build: Callable[[], A
             device: str | None = None, inputs: Any = None, produces: str | None = None) -> Any:
     """The measurement of ``step_name`` (declared with :func:`step`) for ``model_name`` with ``params``:
     read from its record, or computed by ``build()`` and written (see the module's text for the modes and
-    the audit). ``inputs``: data the step reads, hashed into the key (:func:`lib.cache.content_hash`);
+    the audit). ``inputs``: data the step reads, hashed into the key (:func:`lib.infra.cache.content_hash`);
     data may also sit in ``params`` as its own content hash. ``to_record`` turns what ``build`` returns into
     what the record keeps (numbers, text, lists, dicts, arrays, frames); ``from_record`` turns it back.
     Returns ``from_record(record)``, so a computed and a read measurement look alike. ``produces``: the name of
@@ -408,7 +400,7 @@ def measure_many(step_name: str, model_name: str, params_list: list[dict], build
     measurements of ``params_list[i]`` for those indices in one go (e.g. one batched generation), called
     once for all missing records; each is written as its own record (the batch's wall time shared out)."""
     if step_name not in STEPS:
-        raise KeyError(f"unknown step {step_name!r}: declare it with lib.store.step (known: {', '.join(sorted(STEPS))})")
+        raise KeyError(f"unknown step {step_name!r}: declare it with lib.infra.store.step (known: {', '.join(sorted(STEPS))})")
     st = STEPS[step_name]
     to_record = to_record or (lambda x: x)
     from_record = from_record or (lambda x: x)
@@ -480,7 +472,7 @@ _AUDITING = [False]
 
 def auditing() -> bool:
     """True while the audit recomputes a record: a build that could reuse a local artifact (a trained model in
-    :mod:`lib.cache`) measures from scratch instead, so the audit compares a new measurement, not a copy."""
+    :mod:`lib.infra.cache`) measures from scratch instead, so the audit compares a new measurement, not a copy."""
     return _AUDITING[0]
 
 
@@ -633,8 +625,8 @@ def manifest(model_name: str) -> Path:
     rows = inventory([model_name])
     total = sum(r["bytes"] for r in rows)
     lines = [f"# Measurement records of {model_name}", "",
-             "Written by `python -m lib.store manifest` (run by `make reproduce`); one row per record, from the "
-             "provenance inside each record. Records are read by the notebooks (`lib.store.measure`).", "",
+             "Written by `python -m lib.infra.store manifest` (run by `make reproduce`); one row per record, from the "
+             "provenance inside each record. Records are read by the notebooks (`lib.infra.store.measure`).", "",
              f"{len(rows)} records, {total / 1e6:.2f} MB.", "",
              "| step | record | notebook | kB | wall (s) | CPU | commit | date |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -648,7 +640,7 @@ def manifest(model_name: str) -> Path:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    ap = argparse.ArgumentParser(description="The measurement store (lib/store.py).")
+    ap = argparse.ArgumentParser(description="The measurement store (lib/infra/store.py).")
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("manifest", help="write results/<model>/measurements/MANIFEST.md for every model with records")
     m.add_argument("--model", default=None)

@@ -5,26 +5,22 @@ Face module tree (plain PyTorch hooks); every handle lives inside the block and 
 even on error. Nothing is stored on the Hugging Face modules. Every tool below (recording, patching,
 zeroing, steering, copying, attention capture and refinement) is a small function on top of it.
 
-Point names (TransformerLens-style; L is a block index 0..n_layers-1, negative counting from the end):
+Point names (TransformerLens-style; L is a block index 0..n_layers-1, negative counting from the end),
+with what the attached function is called with:
 
-=================================  ====================================================  ==========
-name                               the tensor there                                      fn gets
-=================================  ====================================================  ==========
-``blocks.{L}.hook_resid_pre``      the residual stream entering block L                  x
-``blocks.{L}.hook_resid_post``     the output of block L (the residual stream after it)  x
-``blocks.{L}.mlp.hook_up``         output units of the up projection (GPT-2 ``c_fc``,    x
-                                   before the GELU; BERT ``intermediate.dense``)
-``blocks.{L}.mlp.hook_gate``       output units of the gate projection (gated MLPs:      x
-                                   Llama, Gemma-2, Mistral)
-``blocks.{L}.mlp.hook_post``       the MLP's neurons: the input of its output projection x
-                                   (``W_out``), after the nonlinearity; ``act(gate) * up``
-                                   for gated MLPs
-``blocks.{L}.mlp.hook_out``        output units of the output projection (the MLP's      x
-                                   output; BERT: before its residual add and LayerNorm)
-``blocks.{L}.attn.hook_attn_scores`` masked attention logits [batch, heads, q, k]        scores, valid
-``blocks.{L}.attn.hook_pattern``   attention probabilities [batch, heads, q, k]          probs, valid
-``input``                          the model's forward call, before anything runs        args, kwargs
-=================================  ====================================================  ==========
+* ``blocks.{L}.hook_resid_pre`` (x): the residual stream entering block L.
+* ``blocks.{L}.hook_resid_post`` (x): the output of block L, the residual stream after it.
+* ``blocks.{L}.mlp.hook_up`` (x): the up projection's output units (GPT-2 ``c_fc``, before the GELU;
+  BERT ``intermediate.dense``).
+* ``blocks.{L}.mlp.hook_gate`` (x): the gate projection's output units (gated MLPs: Llama, Gemma-2,
+  Mistral).
+* ``blocks.{L}.mlp.hook_post`` (x): the MLP's neurons, the input of its output projection ``W_out``:
+  after the nonlinearity, ``act(gate) * up`` for gated MLPs.
+* ``blocks.{L}.mlp.hook_out`` (x): the output projection's output units, the MLP's output (BERT:
+  before its residual add and LayerNorm).
+* ``blocks.{L}.attn.hook_attn_scores`` (scores, valid): the masked attention logits [batch, heads, q, k].
+* ``blocks.{L}.attn.hook_pattern`` (probs, valid): the attention probabilities [batch, heads, q, k].
+* ``input`` (args, kwargs): the model's forward call, before anything runs.
 
 A function returns None to leave what it got as it is, or a tensor that replaces it downstream (at
 ``input``: an (args, kwargs) pair). Several functions at one point run in the order given, each on

@@ -1,33 +1,70 @@
-"""One hook API for GPT-2, Llama, Gemma-2, Mistral and BERT (plain PyTorch hooks on HF modules).
+"""One hook mechanism for GPT-2, Llama, Gemma-2, Mistral and BERT: :func:`points`.
 
-Neuron activations are read at the *input of the MLP output projection* (``W_out``): after the
-nonlinearity, and for gated MLPs ``act(gate) * up``. That is TransformerLens'
-``blocks.{L}.mlp.hook_post``; zeroing a neuron there removes exactly its value vector
-``W_out[i]`` from the residual stream.
+``with hooks.points(lm, {name: fn, ...}):`` attaches functions at *named points* of the real Hugging
+Face module tree (plain PyTorch hooks); every handle lives inside the block and is removed on exit,
+even on error. Nothing is stored on the Hugging Face modules. Every tool below (recording, patching,
+zeroing, steering, copying, attention capture and refinement) is a small function on top of it.
 
-* :class:`MLPRecorder` / :func:`mlp_activation_stats`: per-neuron sum, count and mean over chosen
-  positions, reduced as the forward streams (never [batch, pos, d_mlp] for all layers at once),
-  optionally mean-pooled per sequence.
-* :func:`value_vectors`, :func:`cosine_with`, :func:`logit_lens`: what each neuron writes.
+Point names (TransformerLens-style; L is a block index 0..n_layers-1, negative counting from the end),
+with what the attached function is called with:
+
+* ``blocks.{L}.hook_resid_pre`` (x): the residual stream entering block L.
+* ``blocks.{L}.hook_resid_post`` (x): the output of block L, the residual stream after it.
+* ``blocks.{L}.mlp.hook_up`` (x): the up projection's output units (GPT-2 ``c_fc``, before the GELU;
+  BERT ``intermediate.dense``).
+* ``blocks.{L}.mlp.hook_gate`` (x): the gate projection's output units (gated MLPs: Llama, Gemma-2,
+  Mistral).
+* ``blocks.{L}.mlp.hook_post`` (x): the MLP's neurons, the input of its output projection ``W_out``:
+  after the nonlinearity, ``act(gate) * up`` for gated MLPs.
+* ``blocks.{L}.mlp.hook_out`` (x): the output projection's output units, the MLP's output (BERT:
+  before its residual add and LayerNorm).
+* ``blocks.{L}.attn.hook_attn_scores`` (scores, valid): the masked attention logits [batch, heads, q, k].
+* ``blocks.{L}.attn.hook_pattern`` (probs, valid): the attention probabilities [batch, heads, q, k].
+* ``input`` (args, kwargs): the model's forward call, before anything runs.
+
+A function returns None to leave what it got as it is, or a tensor that replaces it downstream (at
+``input``: an (args, kwargs) pair). Several functions at one point run in the order given, each on
+what the one before returned. ``valid`` is a bool mask [batch, 1, q, k] of the keys each query may
+see (None: all); masked keys stay masked whatever a scores function returns. The attention points
+route the model's attention through one eager function (:func:`_attention`, registered with
+transformers' ``AttentionInterface``) while the block is open; the functions reach it as a keyword
+argument of that call, passed by a hook on the attention module. :func:`resolve` maps a name to its
+(module, kind); :func:`point_names` lists the names of a model.
+
+``blocks.{L}.mlp.hook_post`` is TransformerLens' point of the same name; zeroing a neuron there
+removes exactly its value vector ``W_out[i]`` from the residual stream.
+
+**A neuron is a point and an index into its last dimension**: (``blocks.{L}.mlp.hook_post``, i) is
+neuron i of block L. :class:`Edit` (layer, neuron) is that address at ``mlp.hook_post``
+(:attr:`Edit.point`); :class:`Units` numbers the units of several MLP points (its *sites* 'act', 'up',
+'gate', 'down' are ``hook_post``, ``hook_up``, ``hook_gate``, ``hook_out``: :data:`SITE_POINTS`) with
+one flat index, and :meth:`Units.group` turns flat indices back into {point: indices}.
+
+On top of :func:`points`:
+
+* :class:`MLPRecorder` / :func:`mlp_activation_stats`: per-neuron sum, count and mean at
+  ``mlp.hook_post`` over chosen positions, reduced as the forward streams, optionally per sequence.
 * :func:`intervene`: set / scale / add / zero neurons during forward passes and generation;
   :func:`intervene_each`: one table per copy of each prompt, several conditions in one batch.
-* :func:`pooled_residuals`, :func:`residual_means`: mean-pooled residual stream at any layers (for probes).
-* :func:`residual_add`: add a vector to the residual stream after chosen blocks (activation addition).
-* :func:`attention`: capture attention patterns and plug in an attention refinement, through one
-  function registered with transformers' ``AttentionInterface``; the plugs live in an explicit
-  registry for the duration of the block, nothing is stored on the Hugging Face modules.
+* :func:`copy_activations` / :func:`copy_activations_each`: same-text patching from another model.
+* :func:`pooled_residuals`, :func:`residual_means`, :func:`residual_norm`: the residual stream.
+* :func:`residual_add`: add a vector after chosen blocks (activation addition).
+* :func:`attention`, :class:`AttentionRecorder`: capture patterns, plug in a refinement (SAOBP).
+* :class:`UnitRecorder`, :func:`zero_units`: paper C's units.
+* :func:`value_vectors`, :func:`cosine_with`, :func:`logit_lens`: what each neuron writes.
 
 Layers, everywhere: an int L is block L, 0..n_layers-1, negative counting from the end (-1 = the
 last block), as :meth:`lib.models.ModelInfo.check_layer` accepts. The residual stream "at layer L"
-is the output of block L (what :func:`residual_add` edits); the residual stream also has the points
-'embed' (the embeddings, before block 0) and 'final' (after the final norm): :func:`residual_point`.
+is the output of block L (``blocks.{L}.hook_resid_post``, what :func:`residual_add` edits); the
+residual stream also has the points 'embed' (the embeddings, ``blocks.0.hook_resid_pre``) and
+'final' (after the final norm): :func:`residual_point`.
 """
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import copy
 import inspect
+import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -39,6 +76,181 @@ from lib.models import Loaded
 
 MODES = ("set", "scale", "add", "zero")
 POSITIONS = ("all", "last_k", "from")
+
+
+# ----------------------------------------------------------------------------- named points
+
+# Module paths (relative to model.base_model) that are not in ModelInfo (which has the MLP output
+# projection, ``info.mlp_out``, and the attention module, ``info.attention``).
+_LLAMA_LIKE = {"block": "layers.{L}", "up": "layers.{L}.mlp.up_proj", "gate": "layers.{L}.mlp.gate_proj"}
+_MODULES = {"gpt2": {"block": "h.{L}", "up": "h.{L}.mlp.c_fc"},
+            "llama": _LLAMA_LIKE, "gemma2": _LLAMA_LIKE, "mistral": _LLAMA_LIKE,
+            "bert": {"block": "encoder.layer.{L}", "up": "encoder.layer.{L}.intermediate.dense"}}
+# point (after 'blocks.{L}.') -> (module, kind): 'input' / 'output' of the module, or the attention
+# function's 'scores' / 'pattern' inside it
+_POINTS = {"hook_resid_pre": ("block", "input"), "hook_resid_post": ("block", "output"),
+           "mlp.hook_up": ("up", "output"), "mlp.hook_gate": ("gate", "output"),
+           "mlp.hook_post": ("down", "input"), "mlp.hook_out": ("down", "output"),
+           "attn.hook_attn_scores": ("attn", "scores"), "attn.hook_pattern": ("attn", "pattern")}
+INPUT = "input"  # the model's forward call
+
+
+def _template(lm: Loaded, module: str) -> str | None:
+    if module == "down":
+        return lm.info.mlp_out
+    if module == "attn":
+        return lm.info.attention
+    return _MODULES[lm.info.family].get(module)
+
+
+def point_names(lm: Loaded, layer: int | None = None) -> list[str]:
+    """The point names of ``lm`` (of one block with ``layer``), in the order of the table above."""
+    layers = range(lm.info.n_layers) if layer is None else [lm.info.check_layer(layer)]
+    return [f"blocks.{L}.{p}" for L in layers for p, (m, _) in _POINTS.items()
+            if _template(lm, m) is not None] + ([INPUT] if layer is None else [])
+
+
+def resolve(lm: Loaded, name: str) -> tuple[torch.nn.Module, str]:
+    """(module, kind) of the point ``name``: kind 'input' / 'output' (the module's first input or its
+    output), 'scores' / 'pattern' (inside the attention module) or 'call' (``input``: the model)."""
+    if name == INPUT:
+        return lm.model, "call"
+    m = re.fullmatch(r"blocks\.(-?\d+)\.(.+)", name) if isinstance(name, str) else None
+    spec = _POINTS.get(m.group(2)) if m else None
+    template = _template(lm, spec[0]) if spec else None
+    if template is None:
+        info = lm.info
+        valid = [f"blocks.{{L}}.{p}" for p, (mod, _) in _POINTS.items() if _template(lm, mod) is not None]
+        raise ValueError(f"unknown point {name!r} for {info.name} ({info.family}): valid points are "
+                         f"{', '.join(valid)} (L in 0..{info.n_layers - 1}) and {INPUT!r}")
+    L = lm.info.check_layer(int(m.group(1)))
+    return lm.model.base_model.get_submodule(template.format(L=L)), spec[1]
+
+
+def _on_input(fn):
+    def hook(module, args, kwargs):
+        y = fn(args[0] if args else kwargs["hidden_states"])
+        if y is None:
+            return None
+        return ((y,) + tuple(args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": y})
+    return hook
+
+
+def _on_output(fn):
+    def hook(module, args, output):
+        y = fn(output[0] if isinstance(output, tuple) else output)
+        if y is None:
+            return None
+        return (y,) + tuple(output[1:]) if isinstance(output, tuple) else y
+    return hook
+
+
+def _on_call(fn):
+    return lambda module, args, kwargs: fn(args, kwargs)
+
+
+@contextlib.contextmanager
+def points(lm: Loaded, fns):
+    """Attach functions at named points (see the module docstring) while the block is open.
+
+    ``fns``: {name: fn} or [(name, fn), ...] (a list may name a point twice). Every name is checked
+    before anything is attached (ValueError naming the valid points). All handles are removed and
+    the model's attention implementation restored on exit, even on error.
+
+        with hooks.points(lm, {"blocks.1.mlp.hook_post": lambda x: seen.append(x.detach())}):
+            lm.model(**enc)
+    """
+    pairs = list(fns.items()) if isinstance(fns, dict) else list(fns)
+    resolved = [(resolve(lm, name), fn) for name, fn in pairs]
+    plugs: dict[torch.nn.Module, dict[str, list]] = {}  # attention module -> its scores and pattern functions
+    handles = []
+    model, previous = lm.model, None
+    try:
+        for (module, kind), fn in resolved:
+            if kind == "input":
+                handles.append(module.register_forward_pre_hook(_on_input(fn), with_kwargs=True))
+            elif kind == "output":
+                handles.append(module.register_forward_hook(_on_output(fn)))
+            elif kind == "call":
+                handles.append(module.register_forward_pre_hook(_on_call(fn), with_kwargs=True))
+            else:
+                plugs.setdefault(module, {"scores": [], "pattern": []})[kind].append(fn)
+        if plugs:
+            _register()
+            previous = model.config._attn_implementation
+            model.set_attn_implementation(ATTN_NAME)
+            for module, plug in plugs.items():
+                handles.append(module.register_forward_pre_hook(
+                    lambda m, args, kwargs, plug=plug: (args, {**kwargs, _PLUG: plug}), with_kwargs=True))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        if previous is not None:
+            model.set_attn_implementation(previous)
+
+
+# ----------------------------------------------------------------------------- the attention points
+
+ATTN_NAME = "compendium"
+_PLUG = "compendium_points"  # the keyword under which an attention module hands its functions to _attention
+_registered = False
+
+
+def _register():
+    """Route attention through :func:`_attention` under the name 'compendium' (once per process)."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+    AttentionInterface.register(ATTN_NAME, _attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, eager_mask)  # additive float masks, as eager
+    _registered = True
+
+
+def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
+    """Eager attention with the points ``attn.hook_attn_scores`` and ``attn.hook_pattern``.
+
+    query [batch, heads, q, d]; key/value [batch, kv_heads, k, d]; attention_mask additive
+    [batch, 1, q, k] or None. Returns (output [batch, q, heads, d], pattern [batch, heads, q, k]).
+    The functions come in ``kwargs[_PLUG]`` ({'scores': [...], 'pattern': [...]}), put there by
+    :func:`points` for this module's call; without them this is plain eager attention.
+    """
+    plug = kwargs.get(_PLUG) or {}
+    n_rep = query.shape[1] // key.shape[1]
+    key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # [batch, heads, q, k]
+    if softcap is not None:  # Gemma-2 logit soft-capping
+        scores = torch.tanh(scores / softcap) * softcap
+    valid = None
+    if attention_mask is not None:
+        mask = attention_mask[:, :, :, : key.shape[-2]]
+        if mask.dtype == torch.bool:
+            valid = mask
+            mask = torch.zeros_like(mask, dtype=scores.dtype).masked_fill(~mask, torch.finfo(scores.dtype).min)
+        else:
+            valid = mask > torch.finfo(mask.dtype).min / 2
+        scores = scores + mask
+    if plug.get("scores"):
+        for fn in plug["scores"]:
+            new = fn(scores, valid)
+            scores = scores if new is None else new
+        if valid is not None:
+            scores = scores.masked_fill(~valid, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    for fn in plug.get("pattern", ()):
+        new = fn(probs, valid)
+        probs = probs if new is None else new
+    probs_d = torch.nn.functional.dropout(probs, p=dropout, training=module.training)
+    out = torch.matmul(probs_d, value).transpose(1, 2).contiguous()
+    return out, probs
 
 
 # ----------------------------------------------------------------------------- position masks
@@ -69,11 +281,33 @@ def position_mask(attention_mask: torch.Tensor, mode: str = "all", k: int | None
     return m * (idx >= start).float()
 
 
+
 # ----------------------------------------------------------------------------- MLP recording
 
 
-class MLPRecorder:
-    """Streaming per-neuron statistics at the MLP output projection's input.
+def mlp_post(layer: int) -> str:
+    """The name of block ``layer``'s MLP neurons: ``blocks.{layer}.mlp.hook_post``."""
+    return f"blocks.{layer}.mlp.hook_post"
+
+
+class _Attached:
+    """A recorder that is a context manager: its :meth:`_points` are attached while it is open."""
+
+    def _points(self) -> dict:
+        raise NotImplementedError
+
+    def __enter__(self):
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(points(self.lm, self._points()))
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()
+        return False
+
+
+class MLPRecorder(_Attached):
+    """Streaming per-neuron statistics at ``blocks.{L}.mlp.hook_post``.
 
     Set ``rec.mask`` ([batch, pos] float, see :func:`position_mask`) before each forward; with
     no mask every position counts. With ``pooled=True`` it also keeps one masked mean per
@@ -94,11 +328,10 @@ class MLPRecorder:
         self.sum = torch.zeros(len(self.layers), info.d_mlp, dtype=torch.float64)  # [layers, d_mlp]
         self.count = torch.zeros(len(self.layers), dtype=torch.float64)
         self._pooled: list[list[torch.Tensor]] = [[] for _ in self.layers]
-        self._handles: list = []
 
-    def _hook(self, slot: int):
-        def pre_hook(module, args):
-            x = args[0].detach()  # [batch, pos, d_mlp]
+    def _record(self, slot: int):
+        def record(x):
+            x = x.detach()  # [batch, pos, d_mlp]
             m = self.mask
             if m is None:
                 m = torch.ones(x.shape[:2], device=x.device)
@@ -108,18 +341,10 @@ class MLPRecorder:
             self.count[slot] += float(m.sum())
             if self.pooled_on:
                 self._pooled[slot].append((xs.sum(1) / m.sum(1, keepdim=True).clamp_min(1)).cpu())
-        return pre_hook
+        return record
 
-    def __enter__(self):
-        for slot, L in enumerate(self.layers):
-            self._handles.append(self.lm.mlp_out_module(L).register_forward_pre_hook(self._hook(slot)))
-        return self
-
-    def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        return False
+    def _points(self) -> dict:
+        return {mlp_post(L): self._record(slot) for slot, L in enumerate(self.layers)}
 
     def mean(self) -> torch.Tensor:
         """[n_layers, d_mlp] mean activation over all counted positions."""
@@ -252,10 +477,15 @@ def token_direction(lm: Loaded, words: Sequence[str], minus: Sequence[str] = (),
 
 @dataclass(frozen=True)
 class Edit:
+    """An edit of neuron ``neuron`` of block ``layer``: the address (:attr:`point`, ``neuron``)."""
     layer: int
     neuron: int
     mode: str = "zero"  # set | scale | add | zero
     value: float = 0.0
+
+    @property
+    def point(self) -> str:
+        return mlp_post(self.layer)
 
 
 def _as_edits(table) -> list[Edit]:
@@ -319,22 +549,11 @@ def _edit(x: torch.Tensor, sel, prepared: dict) -> None:
         x[:, sel] = part
 
 
-@contextlib.contextmanager
-def _mlp_out_pre_hooks(lm: Loaded, hook_by_layer: dict):
-    """Registers each layer's forward pre-hook on its MLP output projection; all removed on exit, even on error."""
-    handles = []
-    try:
-        for L, hook in sorted(hook_by_layer.items()):
-            handles.append(lm.mlp_out_module(L).register_forward_pre_hook(hook))
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
 
 @contextlib.contextmanager
 def intervene(lm: Loaded, table, positions: str | Sequence[int] | None = None):
-    """Edit neurons while the block is active: forward passes and KV-cached generation alike.
+    """Edit neurons (at ``blocks.{L}.mlp.hook_post``) while the block is active: forward passes and
+    KV-cached generation alike.
 
     ``table``: rows of (layer, neuron, mode, value) as tuples, dicts, :class:`Edit` or a DataFrame.
     Modes: 'set' (activation := value), 'scale' (*= value), 'add' (+= value), 'zero'.
@@ -344,20 +563,28 @@ def intervene(lm: Loaded, table, positions: str | Sequence[int] | None = None):
     edits, grouped = _grouped_edits(lm, table)
     _check_positions(positions)
 
-    def make_hook(by_mode):
+    def edit(by_mode):
         prepared = _prepared(by_mode)
 
-        def pre_hook(module, args):
-            x = args[0].clone()  # [batch, pos, d_mlp]
+        def f(x):
+            x = x.clone()  # [batch, pos, d_mlp]
             sel = _selection(positions, x.shape[1])
             if sel is None:
                 return None
             _edit(x, sel, prepared)
-            return (x,) + tuple(args[1:])
-        return pre_hook
+            return x
+        return f
 
-    with _mlp_out_pre_hooks(lm, {L: make_hook(by_mode) for L, by_mode in grouped.items()}):
+    with points(lm, {mlp_post(L): edit(by_mode) for L, by_mode in sorted(grouped.items())}):
         yield edits
+
+
+def _copies(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
+    """x [batch, ...] viewed as [batch // k, k, ...]: the k copies of each sequence side by side."""
+    if x.shape[0] % k:
+        raise ValueError(f"a batch of {x.shape[0]} rows does not hold {k} copies of each sequence "
+                         f"(generate with copies={what})")
+    return x.view(x.shape[0] // k, k, *x.shape[1:])
 
 
 @contextlib.contextmanager
@@ -377,23 +604,20 @@ def intervene_each(lm: Loaded, tables: Sequence, positions: str | Sequence[int] 
         for L, by_mode in _grouped_edits(lm, table)[1].items():
             per_layer.setdefault(L, [{} for _ in range(k)])[c] = _prepared(by_mode)
 
-    def make_hook(per_copy):
-        def pre_hook(module, args):
-            x = args[0].clone()  # [batch, pos, d_mlp]
-            if x.shape[0] % k:
-                raise ValueError(f"a batch of {x.shape[0]} rows does not hold {k} copies of each sequence "
-                                 "(generate with copies=len(tables))")
+    def edit(per_copy):
+        def f(x):
+            x = x.clone()  # [batch, pos, d_mlp]
+            xv = _copies(x, k, "len(tables)")
             sel = _selection(positions, x.shape[1])
             if sel is None:
                 return None
-            xv = x.view(x.shape[0] // k, k, *x.shape[1:])
             for c, prepared in enumerate(per_copy):
                 if prepared:
                     _edit(xv[:, c], sel, prepared)  # a view: writes into x
-            return (x,) + tuple(args[1:])
-        return pre_hook
+            return x
+        return f
 
-    with _mlp_out_pre_hooks(lm, {L: make_hook(per_copy) for L, per_copy in per_layer.items()}):
+    with points(lm, {mlp_post(L): edit(per_copy) for L, per_copy in sorted(per_layer.items())}):
         yield
 
 
@@ -433,11 +657,6 @@ def hooked(lm: Loaded) -> bool:
     return any(m._forward_pre_hooks or m._forward_hooks for m in lm.model.modules())
 
 
-# Set by ``metrics.generate`` while it generates one batch from a prompt prefix (``metrics.prompt_prefix``):
-# (the prefix, the batch's index, the copies per prompt). copy_activations_each reads it to start the source
-# model from the source's own prefix of the same batch.
-GENERATION_BATCH: contextvars.ContextVar = contextvars.ContextVar("generation_batch", default=None)
-
 
 def cache_argument(model) -> str:
     """The name under which ``model.forward`` takes its KV cache: 'cache' (transformers 5) or 'past_key_values'."""
@@ -448,16 +667,17 @@ def cache_argument(model) -> str:
 def copy_activations(source: Loaded, target: Loaded, neurons, positions: str = "last"):
     """Same-text patching: inside the block every forward pass of ``target`` first runs ``source`` on the
     same inputs and sets ``neurons`` [(layer, neuron), ...] of ``target`` to the source's activations
-    (the input of the MLP output projection, as :func:`intervene` writes) at ``positions`` of that
-    forward: 'last' (the last position of each forward call, the authors' patch positions) or 'all'.
+    (at ``blocks.{L}.mlp.hook_post``, as :func:`intervene` writes) at ``positions`` of that forward:
+    'last' (the last position of each forward call, the authors' patch positions) or 'all'.
 
     Where a mean patch (:func:`intervene`, mode 'set') writes one value for every token, this writes what
     the source computes on the target's own text, token by token. In KV-cached generation the source keeps
     a KV cache of its own (started afresh with each generation), so both models advance in lockstep on
     the target's tokens. The two models must share their architecture's sizes (e.g. a model and its
-    fine-tuned copy). Each forward costs one forward of each model; hooks are removed on exit."""
-    with copy_activations_each(source, target, [neurons], positions):
-        yield
+    fine-tuned copy). Each forward costs one forward of each model; hooks are removed on exit.
+    Yields what :func:`copy_activations_each` yields."""
+    with copy_activations_each(source, target, [neurons], positions) as each_batch:
+        yield each_batch
 
 
 @contextlib.contextmanager
@@ -472,7 +692,10 @@ def copy_activations_each(source: Loaded, target: Loaded, neuron_sets: Sequence,
     ``source_prefix`` (``metrics.prompt_prefix`` of the source model, the same prompts and batch size): when
     the target generates from its own prompt prefix (``metrics.generate(..., prefix=...)``; only with
     'last', which leaves those positions as the target computes them), the source starts each batch from
-    its prefix of that batch instead of reading the whole prompt again."""
+    its prefix of that batch instead of reading the whole prompt again. For that the block yields
+    ``each_batch``, to be passed on as ``metrics.generate(..., each_batch=each_batch)``: generate opens
+    ``each_batch(prefix, j, copies)`` around batch j, which tells the source which of its prefixes to start
+    from."""
     if source is target or source.model is target.model:
         raise ValueError("copy_activations needs two different models (source and target are the same)")
     si, ti = source.info, target.info
@@ -494,16 +717,26 @@ def copy_activations_each(source: Loaded, target: Loaded, neuron_sets: Sequence,
     key, target_key = cache_argument(source.model), cache_argument(target.model)
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(source.model.forward).parameters else {}
     seen: dict[int, torch.Tensor] = {}  # the source's activations in this forward, [batch, pos, d_mlp] per layer
-    state = {"cache": None}  # the source's KV cache while the target generates
+    # the source's KV cache while the target generates; the batch being generated from a prompt prefix
+    state = {"cache": None, "batch": None}
+
+    @contextlib.contextmanager
+    def each_batch(prefix, j: int, copies: int):
+        """Open while ``metrics.generate`` generates batch ``j`` (from ``prefix``, or None; ``copies`` per prompt)."""
+        state["batch"] = (prefix, j, copies) if prefix is not None and prefix.caches[j] is not None else None
+        try:
+            yield
+        finally:
+            state["batch"] = None
 
     def record(L):
-        def hook(module, args):
-            seen[L] = args[0].detach()
-        return hook
+        def f(x):
+            seen[L] = x.detach()
+        return f
 
-    def run_source(module, args, kwargs):
+    def run_source(args, kwargs):
         past = kwargs.get(target_key)
-        current = GENERATION_BATCH.get()  # (prefix, batch index, copies) while generating from a prompt prefix
+        current = state["batch"]  # (prefix, batch index, copies) while generating from a prompt prefix
         if past is None:  # a plain forward (e.g. perplexity): no cache for the source either
             state["cache"] = None
         elif past.get_seq_length() == 0:  # a new generation starts: a fresh cache for the source
@@ -522,39 +755,32 @@ def copy_activations_each(source: Loaded, target: Loaded, neuron_sets: Sequence,
                 raise RuntimeError("copy_activations: the source's prompt prefix does not match the target's")
         elif state["cache"] is None or state["cache"].get_seq_length() != past.get_seq_length():
             raise RuntimeError("copy_activations: the target's KV cache is not the one the source followed (a generation "
-                               "started from a prefilled cache, e.g. metrics.generate's prefix): the source has no cache to match")
+                               "started from a prefilled cache, e.g. metrics.generate's prefix, without each_batch=): "
+                               "the source has no cache to match")
         kw = {k: v for k, v in kwargs.items()
               if k not in ("cache", "past_key_values", "labels", "use_cache", "logits_to_keep", "return_dict")}
         with torch.no_grad():
             source.model(*args, **kw, **{key: state["cache"]}, use_cache=state["cache"] is not None, **keep)
 
     def write(L):
-        def hook(module, args):
-            x = args[0].clone()  # [batch, pos, d_mlp]
-            if x.shape[0] % k:
-                raise ValueError(f"a batch of {x.shape[0]} rows does not hold {k} copies of each sequence "
-                                 "(generate with copies=len(neuron_sets))")
+        def f(x):
+            x = x.clone()  # [batch, pos, d_mlp]
+            xv = _copies(x, k, "len(neuron_sets)")
             src = seen.pop(L).to(x.device, x.dtype)
             sel = slice(None) if positions == "all" else slice(x.shape[1] - 1, x.shape[1])
-            xv, sv = x.view(x.shape[0] // k, k, *x.shape[1:]), src.view(src.shape[0] // k, k, *src.shape[1:])
+            sv = src.view(src.shape[0] // k, k, *src.shape[1:])
             for c, i in enumerate(idx[L]):
                 if len(i):
                     i = i.to(x.device)
                     part = xv[:, c, sel]
                     part[..., i] = sv[:, c, sel][..., i]
                     xv[:, c, sel] = part  # a view of x
-            return (x,) + tuple(args[1:])
-        return hook
+            return x
+        return f
 
-    handles = []
-    try:
-        handles += [source.mlp_out_module(L).register_forward_pre_hook(record(L)) for L in idx]
-        handles.append(target.model.register_forward_pre_hook(run_source, with_kwargs=True))
-        handles += [target.mlp_out_module(L).register_forward_pre_hook(write(L)) for L in idx]
-        yield
-    finally:
-        for h in handles:
-            h.remove()
+    with points(source, {mlp_post(L): record(L) for L in idx}), \
+            points(target, [(INPUT, run_source)] + [(mlp_post(L), write(L)) for L in idx]):
+        yield each_batch
 
 
 # ----------------------------------------------------------------------------- residual stream
@@ -579,8 +805,9 @@ def residual_point(lm: Loaded, layer: int | str) -> int | str:
     return layer % n
 
 
-def _first_tensor(output) -> torch.Tensor:
-    return output[0] if isinstance(output, tuple) else output  # [batch, pos, d_model]
+def block_module(lm: Loaded, layer: int):
+    """The whole transformer block ``layer`` (its output is the residual stream after the block)."""
+    return resolve(lm, f"blocks.{layer}.hook_resid_post")[0]
 
 
 @torch.inference_mode()
@@ -594,31 +821,25 @@ def pooled_residuals(lm: Loaded, texts: Sequence[str], layers: Sequence[int | st
     any final norm), 'embed' = the embeddings, 'final' = the last hidden state after the final norm
     (what the DPO paper's probe reads). The keys are the layers as given. (HF ``hidden_states[i]`` is
     'embed' for i = 0, block i-1 for 0 < i < n_layers, and 'final' for i = n_layers.)"""
-    points = {layer: residual_point(lm, layer) for layer in layers}
+    points_ = {layer: residual_point(lm, layer) for layer in layers}
     texts = list(texts)
     lengths = [len(ids) for ids in lm.tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]]
     order = sorted(range(len(texts)), key=lambda i: (lengths[i], i))
-    out = {layer: torch.empty(len(texts), lm.info.d_model) for layer in points}
+    out = {layer: torch.empty(len(texts), lm.info.d_model) for layer in points_}
     base = getattr(lm.model, "base_model", lm.model)
     batch: dict = {}  # the current batch's mask [batch, pos, 1] and pooled states per point
 
-    def pool(point, h):
-        m = batch["mask"]
-        batch[point] = ((h.float() * m).sum(1) / m.sum(1).clamp_min(1)).cpu()  # [batch, d_model]
+    def pool(point):
+        def f(h):
+            m = batch["mask"]
+            batch[point] = ((h.float() * m).sum(1) / m.sum(1).clamp_min(1)).cpu()  # [batch, d_model]
+        return f
 
-    def after_block(L):
-        return lambda module, args, output: pool(L, _first_tensor(output))
-
-    def before_first_block(module, args, kwargs):
-        pool("embed", args[0] if args else kwargs["hidden_states"])
-
-    wanted = set(points.values())
-    handles = []
-    try:
-        for L in sorted(p for p in wanted if isinstance(p, int)):
-            handles.append(block_module(lm, L).register_forward_hook(after_block(L)))
-        if "embed" in wanted:
-            handles.append(block_module(lm, 0).register_forward_pre_hook(before_first_block, with_kwargs=True))
+    wanted = set(points_.values())
+    fns = {f"blocks.{L}.hook_resid_post": pool(L) for L in sorted(p for p in wanted if isinstance(p, int))}
+    if "embed" in wanted:
+        fns["blocks.0.hook_resid_pre"] = pool("embed")
+    with points(lm, fns):
         n = (len(order) + batch_size - 1) // batch_size
         for chunk in repro.bar(batches(order, batch_size), total=n, desc=desc, progress=progress):
             enc = encode(lm, [texts[i] for i in chunk], max_length)
@@ -626,13 +847,10 @@ def pooled_residuals(lm: Loaded, texts: Sequence[str], layers: Sequence[int | st
             batch["mask"] = enc["attention_mask"].unsqueeze(-1).float()
             res = base(**enc, **({"use_cache": False} if lm.info.is_causal else {}))
             if "final" in wanted:
-                pool("final", res[0])  # last_hidden_state
+                pool("final")(res[0])  # last_hidden_state
             idx = torch.tensor(chunk)
-            for layer, point in points.items():
+            for layer, point in points_.items():
                 out[layer][idx] = batch[point]
-    finally:
-        for h in handles:
-            h.remove()
     return out
 
 
@@ -642,21 +860,20 @@ def residual_norm(lm: Loaded, texts: Sequence[str], layer: int, max_length: int 
     first token left out (decoders park very large activations there). Padding is never counted."""
     L = residual_point(lm, layer)
     norms = []
+    batch = {}
 
-    def hook(module, args, output):
-        h = _first_tensor(output).float()
+    def norm(h):
+        h = h.float()
+        mask = batch["mask"]
         m = mask & (mask.cumsum(-1) > 1)  # real tokens after each text's first (left or right padding)
         norms.append(h.norm(dim=-1)[m].cpu())
 
-    handle = block_module(lm, L).register_forward_hook(hook)
-    try:
+    with points(lm, {f"blocks.{L}.hook_resid_post": norm}):
         base = getattr(lm.model, "base_model", lm.model)
         for chunk in batches(list(texts), 16):
             enc = encode(lm, chunk, max_length)
-            mask = enc["attention_mask"].bool()
+            batch["mask"] = enc["attention_mask"].bool()
             base(**enc, **({"use_cache": False} if lm.info.is_causal else {}))
-    finally:
-        handle.remove()
     return float(torch.cat(norms).median())
 
 
@@ -667,151 +884,63 @@ def residual_means(lm: Loaded, texts: Sequence[str], layer: int | str = "final",
     return pooled_residuals(lm, texts, (layer,), batch_size, max_length, progress)[layer]
 
 
-def block_module(lm: Loaded, layer: int):
-    """The whole transformer block ``layer`` (its output is the residual stream after the block)."""
-    prefix = lm.info.mlp_out.split("{L}")[0] + "{L}"  # 'layers.{L}', 'h.{L}', 'encoder.layer.{L}'
-    return lm.model.base_model.get_submodule(prefix.format(L=lm.info.check_layer(layer)))
-
-
 @contextlib.contextmanager
 def residual_add(lm: Loaded, vector: torch.Tensor, layers: Iterable[int] | None = None):
     """Activation addition: add ``vector`` [d_model] to the residual stream after each chosen block
-    (default: all), at every position, in forward passes and KV-cached generation alike.
-    ``vector`` [k, d_model]: one vector per copy of each sequence, for a batch of k copies side by side
-    (row r gets vector r % k; ``metrics.generate(..., copies=k)``). Hooks are removed on exit, even on error."""
+    (default: all; ``blocks.{L}.hook_resid_post``), at every position, in forward passes and KV-cached
+    generation alike. ``vector`` [k, d_model]: one vector per copy of each sequence, for a batch of k copies
+    side by side (row r gets vector r % k; ``metrics.generate(..., copies=k)``). Hooks are removed on exit,
+    even on error."""
     info = lm.info
     if vector.shape[-1:] != (info.d_model,) or vector.dim() not in (1, 2):
         raise ValueError(f"vector must have shape [{info.d_model}] (d_model) or [k, {info.d_model}], got {list(vector.shape)}")
     chosen = sorted({info.check_layer(int(L)) for L in layers}) if layers is not None else range(info.n_layers)
     k = vector.shape[0] if vector.dim() == 2 else 0
 
-    def hook(module, args, output):
-        h = output[0] if isinstance(output, tuple) else output  # [batch, pos, d_model]
+    def add(h):  # [batch, pos, d_model]
         v = vector.to(h.device, h.dtype)
         if k:  # one vector per copy of each sequence (row r: copy r % k)
-            if h.shape[0] % k:
-                raise ValueError(f"a batch of {h.shape[0]} rows does not hold {k} copies of each sequence "
-                                 "(generate with copies=k)")
-            h = (h.view(h.shape[0] // k, k, *h.shape[1:]) + v[None, :, None, :]).view(h.shape)
-        else:
-            h = h + v
-        return (h,) + tuple(output[1:]) if isinstance(output, tuple) else h
+            return (_copies(h, k, "k") + v[None, :, None, :]).view(h.shape)
+        return h + v
 
-    handles = []
-    try:
-        for L in chosen:
-            handles.append(block_module(lm, L).register_forward_hook(hook))
+    with points(lm, {f"blocks.{L}.hook_resid_post": add for L in chosen}):
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 # ----------------------------------------------------------------------------- attention
 
 
-ATTN_NAME = "compendium"
-_registered = False
-
-
-@dataclass(frozen=True)
-class AttentionPlug:
-    """What :func:`_attention` does at one attention module while a :func:`attention` block is open."""
-    layer: int
-    refine: Callable | None = None
-    capture: Callable | None = None
-
-
-# The plug points of the open :func:`attention` blocks, keyed by attention module (each block adds
-# its modules on entry and restores what was there on exit). Nothing is stored on the modules.
-_PLUGS: dict[torch.nn.Module, AttentionPlug] = {}
-
-
-def _register():
-    """Route attention through :func:`_attention` under the name 'compendium' (once per process)."""
-    global _registered
-    if _registered:
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
-
-    AttentionInterface.register(ATTN_NAME, _attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, eager_mask)  # additive float masks, as eager
-    _registered = True
-
-
-def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
-
-
-def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
-    """Eager attention with two plug points: a refinement of the logits and a capture of the pattern.
-
-    query [batch, heads, q, d]; key/value [batch, kv_heads, k, d]; attention_mask additive
-    [batch, 1, q, k] or None. Returns (output [batch, q, heads, d], pattern [batch, heads, q, k]).
-    The plugs for ``module`` come from :data:`_PLUGS`; a module without one runs plain eager attention.
-    """
-    n_rep = query.shape[1] // key.shape[1]
-    key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # [batch, heads, q, k]
-    if softcap is not None:  # Gemma-2 logit soft-capping
-        scores = torch.tanh(scores / softcap) * softcap
-    valid = None
-    if attention_mask is not None:
-        mask = attention_mask[:, :, :, : key.shape[-2]]
-        if mask.dtype == torch.bool:
-            valid = mask
-            mask = torch.zeros_like(mask, dtype=scores.dtype).masked_fill(~mask, torch.finfo(scores.dtype).min)
-        else:
-            valid = mask > torch.finfo(mask.dtype).min / 2
-        scores = scores + mask
-    plug = _PLUGS.get(module)
-    layer = None if plug is None else plug.layer
-    if plug is not None and plug.refine is not None:
-        scores = plug.refine(scores, valid, layer)
-        if valid is not None:
-            scores = scores.masked_fill(~valid, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    if plug is not None and plug.capture is not None:
-        plug.capture(probs, valid, layer)
-    probs_d = torch.nn.functional.dropout(probs, p=dropout, training=module.training)
-    out = torch.matmul(probs_d, value).transpose(1, 2).contiguous()
-    return out, probs
-
-
 @contextlib.contextmanager
 def attention(lm: Loaded, refine: Callable | None = None, capture: Callable | None = None,
               layers: Iterable[int] | None = None):
-    """Route the chosen layers' attention (default: all) through one eager function with plug points.
+    """Route the chosen layers' attention (default: all) through one eager function with plug points:
+    ``blocks.{L}.attn.hook_attn_scores`` and ``blocks.{L}.attn.hook_pattern`` of :func:`points`.
 
     ``refine(scores, valid, layer) -> scores``: new logits from the masked logits [batch, heads, q, k]
     (``valid``: bool [batch, 1, q, k] or None; ``layer``: the block index, an int); masked keys stay
-    masked. ``capture(probs, valid, layer)``: sees every pattern. Yields {layer: :class:`AttentionPlug`}.
+    masked. ``capture(probs, valid, layer)``: sees every pattern. Yields {layer: its two point names}.
     A block opened inside another takes over the layers it chooses until it exits. On exit the
-    plugs and the model's attention implementation are restored, even on error.
+    functions are gone and the model's attention implementation is restored, even on error.
     """
-    _register()
     info = lm.info
     chosen = sorted({info.check_layer(int(L)) for L in layers}) if layers is not None else range(info.n_layers)
-    model = lm.model
-    previous = model.config._attn_implementation
-    saved: dict[torch.nn.Module, AttentionPlug | None] = {}
-    plugs = {L: AttentionPlug(L, refine, capture) for L in chosen}
-    try:
-        model.set_attn_implementation(ATTN_NAME)
-        for L, plug in plugs.items():
-            m = lm.attention_module(L)
-            saved[m] = _PLUGS.get(m)
-            _PLUGS[m] = plug
-        yield plugs
-    finally:
-        for m, before in saved.items():
-            if before is None:
-                _PLUGS.pop(m, None)
-            else:
-                _PLUGS[m] = before
-        model.set_attn_implementation(previous)
+    def refined(L):
+        return lambda s, v: refine(s, v, L)
+
+    def captured(L):
+        def f(p, v):
+            if capture is not None:
+                capture(p, v, L)
+        return f
+
+    fns, names = [], {}
+    for L in chosen:
+        names[L] = (f"blocks.{L}.attn.hook_attn_scores", f"blocks.{L}.attn.hook_pattern")
+        if refine is not None:
+            fns.append((names[L][0], refined(L)))
+        fns.append((names[L][1], captured(L)))  # also without capture: the layer runs through the function
+    with points(lm, fns):
+        yield names
 
 
 class AttentionRecorder:
@@ -835,20 +964,20 @@ class AttentionRecorder:
 
 # ----------------------------------------------------------------------------- MLP sites (paper C)
 
-# Where a "neuron" can live in an MLP block. 'act' is the input of the output projection (what
+# Where a "neuron" can live in an MLP block, and its point: 'act' is ``mlp.hook_post`` (what
 # MLPRecorder and intervene read: act(gate) * up for gated MLPs); 'up', 'gate' and 'down' are the
 # *output units* of those linear maps (paper C's neurons: "every output unit of up_proj, gate_proj
-# and down_proj"). GPT-2 has no gate; its 'up' is c_fc's output (before the GELU), 'down' c_proj's.
-SITES = ("act", "up", "gate", "down")
-_SITE_MODULES = {"gpt2": {"up": "h.{L}.mlp.c_fc", "down": "h.{L}.mlp.c_proj"},
-                 "llama": {"up": "layers.{L}.mlp.up_proj", "gate": "layers.{L}.mlp.gate_proj", "down": "layers.{L}.mlp.down_proj"}}
-_SITE_MODULES["gemma2"] = _SITE_MODULES["mistral"] = _SITE_MODULES["llama"]
+# and down_proj"): ``mlp.hook_up``, ``mlp.hook_gate``, ``mlp.hook_out``. GPT-2 and BERT have no gate;
+# GPT-2's 'up' is c_fc's output (before the GELU), 'down' c_proj's.
+SITE_POINTS = {"act": "mlp.hook_post", "up": "mlp.hook_up", "gate": "mlp.hook_gate", "down": "mlp.hook_out"}
+SITES = tuple(SITE_POINTS)
 
 
 @dataclass(frozen=True)
 class Units:
     """A flat index over the neurons of several MLP sites in every layer: site-major, then layer,
-    then unit (the order of :meth:`blocks`). ``Units.of(lm, ("up", "gate", "down"))``."""
+    then unit (the order of :meth:`blocks`). ``Units.of(lm, ("up", "gate", "down"))``. Each unit is
+    a point and an index: :meth:`point`, :meth:`group`."""
     sites: tuple[str, ...]
     n_layers: int
     widths: tuple[int, ...]  # one per site
@@ -859,15 +988,20 @@ class Units:
         if not sites or len(set(sites)) != len(sites):
             raise ValueError(f"sites must be distinct names from {SITES}, got {sites!r}")
         info = lm.info
+        have = [s for s, p in SITE_POINTS.items() if _template(lm, _POINTS[p][0]) is not None]
         widths = []
         for s in sites:
             if s not in SITES:
                 raise ValueError(f"unknown MLP site {s!r}: use one of {', '.join(SITES)}")
-            if s != "act" and s not in _SITE_MODULES.get(info.family, {}):
-                raise ValueError(f"{info.family} models have no {s!r} projection (sites there: "
-                                 f"act, {', '.join(_SITE_MODULES.get(info.family, {}))})")
+            if s not in have:
+                raise ValueError(f"{info.family} models have no {s!r} projection (sites there: {', '.join(have)})")
             widths.append(info.d_model if s == "down" else info.d_mlp)
         return cls(sites, info.n_layers, tuple(widths))
+
+    @staticmethod
+    def point(site: str, layer: int) -> str:
+        """The point name of ``site`` in block ``layer``, e.g. 'blocks.3.mlp.hook_up'."""
+        return f"blocks.{layer}.{SITE_POINTS[site]}"
 
     @property
     def size(self) -> int:
@@ -893,6 +1027,14 @@ class Units:
         w = np.asarray(self.widths)[site]
         return site, rest // w, rest % w
 
+    def group(self, flat) -> dict[str, list[int]]:
+        """{point name: unit indices} of flat indices (points in flat order, indices as given)."""
+        site, layer, unit = self.split(flat)
+        out: dict[tuple[int, int], list[int]] = {}
+        for s, L, i in zip(site.tolist(), layer.tolist(), unit.tolist()):
+            out.setdefault((s, L), []).append(i)
+        return {self.point(self.sites[s], L): idx for (s, L), idx in sorted(out.items())}
+
     def stratum(self, flat) -> np.ndarray:
         """(site, layer) block number of each flat index: what a layer-matched control matches."""
         site, layer, _ = self.split(flat)
@@ -903,14 +1045,7 @@ class Units:
         return [f"{self.sites[s]}:L{L}N{i}" for s, L, i in zip(site, layer, unit)]
 
 
-def _site_hook_target(lm: Loaded, site: str, layer: int):
-    """(module, 'input' | 'output') whose tensor holds the site's units."""
-    if site == "act":
-        return lm.mlp_out_module(layer), "input"
-    return lm.model.base_model.get_submodule(_SITE_MODULES[lm.info.family][site].format(L=layer)), "output"
-
-
-class UnitRecorder:
+class UnitRecorder(_Attached):
     """Per-sequence masked means of every unit in ``units`` (all its sites and layers), as one
     [n_sequences, units.size] float tensor in the flat order. Set ``rec.mask`` ([batch, pos]) before
     each forward; forwards run while ``rec.active`` is False (e.g. KV-cached decoding steps) are
@@ -922,20 +1057,20 @@ class UnitRecorder:
         self.active = True
         self._rows: list[list[torch.Tensor]] = []  # per forward: one tensor per block
         self._cur: list[torch.Tensor] | None = None
-        self._handles: list = []
 
-    def _make(self, slot: int, kind: str):
+    def _record(self, slot: int):
         def record(x):
             if not self.active:
                 return
+            x = x.detach()
             m = self.mask if self.mask is not None else torch.ones(x.shape[:2], device=x.device)
             m = m.to(x.device, torch.float32)[:, -x.shape[1]:]
             mean = (x.float() * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True).clamp_min(1)
             self._cur[slot] = mean.to(self.dtype).cpu()
+        return record
 
-        if kind == "input":
-            return lambda module, args: record(args[0].detach())
-        return lambda module, args, output: record(_first_tensor(output).detach())
+    def _points(self) -> list:
+        return [(Units.point(site, L), self._record(slot)) for slot, (site, L, _, _) in enumerate(self.units.blocks())]
 
     def begin(self):
         """Call before each recorded forward."""
@@ -949,19 +1084,6 @@ class UnitRecorder:
             self._rows.append(torch.cat(self._cur, dim=1))
         self._cur = None
 
-    def __enter__(self):
-        for slot, (site, L, _, _) in enumerate(self.units.blocks()):
-            module, kind = _site_hook_target(self.lm, site, L)
-            h = self._make(slot, kind)
-            self._handles.append(module.register_forward_pre_hook(h) if kind == "input" else module.register_forward_hook(h))
-        return self
-
-    def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        return False
-
     def result(self) -> torch.Tensor:
         return torch.cat(self._rows) if self._rows else torch.zeros(0, self.units.size, dtype=self.dtype)
 
@@ -971,11 +1093,6 @@ def zero_units(lm: Loaded, units: Units, flat):
     """Set the given units (flat indices of ``units``) to 0 at every position of every forward
     pass while the block is active, prompt and KV-cached generation alike."""
     flat = np.unique(np.asarray(flat, dtype=np.int64).reshape(-1))
-    site, layer, unit = units.split(flat)
-    by_block: dict[tuple[int, int], list[int]] = {}
-    for s, L, i in zip(site.tolist(), layer.tolist(), unit.tolist()):
-        by_block.setdefault((s, L), []).append(i)
-    handles = []
 
     def zero(idx):
         def f(x):
@@ -984,16 +1101,5 @@ def zero_units(lm: Loaded, units: Units, flat):
             return x
         return f
 
-    try:
-        for (s, L), idx in sorted(by_block.items()):
-            module, kind = _site_hook_target(lm, units.sites[s], L)
-            f = zero(torch.tensor(idx))
-            if kind == "input":
-                handles.append(module.register_forward_pre_hook(lambda m, args, f=f: (f(args[0]),) + tuple(args[1:])))
-            else:
-                handles.append(module.register_forward_hook(
-                    lambda m, args, out, f=f: f(out) if isinstance(out, torch.Tensor) else (f(out[0]),) + tuple(out[1:])))
+    with points(lm, {p: zero(torch.tensor(idx)) for p, idx in units.group(flat).items()}):
         yield flat
-    finally:
-        for h in handles:
-            h.remove()

@@ -5,6 +5,7 @@ notebook can show the computation next to the result.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
@@ -16,8 +17,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from lib.hooks import batches, cache_argument, hooked
 from lib.infra import repro
-from lib.hooks import GENERATION_BATCH, batches, cache_argument, hooked
 from lib.models import Loaded
 
 SCORERS = ("auto", "profanity-check", "detoxify", "minilm-lr")
@@ -134,7 +135,7 @@ def prompt_prefix(lm: Loaded, prompts: Sequence[str], batch_size: int = GENERATE
 def generate(lm: Loaded, prompts: Sequence[str], max_new_tokens: int = 20, batch_size: int = GENERATE_BATCH_SIZE,
              max_prompt_tokens: int | None = 32, progress: bool = True, desc: str = "generating",
              score_tokens: Sequence[int] | None = None, prefix: PromptPrefix | None = None,
-             copies: int | None = None) -> Generations | list[Generations]:
+             copies: int | None = None, each_batch=None) -> Generations | list[Generations]:
     """Greedy continuations, batched with left padding and the KV cache.
 
     Prompts are truncated to their first ``max_prompt_tokens`` tokens; batches are formed from
@@ -147,6 +148,10 @@ def generate(lm: Loaded, prompts: Sequence[str], max_new_tokens: int = 20, batch
     of each prompt in the same batches and return k :class:`Generations` (a list); a batch then holds
     each prompt's k copies side by side (row r is copy r % k), which is how ``hooks.intervene_each``
     and ``hooks.residual_add`` with k vectors give each copy its own condition.
+
+    ``each_batch``: a function of (prefix, batch index j, copies) returning a context manager that is open
+    while batch j is generated, e.g. what ``hooks.copy_activations_each`` yields (its source then starts
+    from its own prompt prefix of batch j).
     """
     _check_positive(max_new_tokens=max_new_tokens)
     if copies is not None:
@@ -169,15 +174,11 @@ def generate(lm: Loaded, prompts: Sequence[str], max_new_tokens: int = 20, batch
             cache = copy.deepcopy(prefix.caches[j])  # generate appends to it
             if k > 1:
                 cache.batch_repeat_interleave(k)
-        token = GENERATION_BATCH.set((prefix, j, k)) if cache is not None else None  # hooks.copy_activations_each reads it
-        try:
+        with each_batch(prefix, j, k) if each_batch is not None else contextlib.nullcontext():
             out = model.generate(input_ids=input_ids.repeat_interleave(k, 0), attention_mask=attn.repeat_interleave(k, 0),
                                  max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, temperature=None,
                                  top_p=None, top_k=None, **({cache_argument(model): cache} if cache is not None else {}),
                                  **({"output_logits": True, "return_dict_in_generate": True} if score_tokens is not None else {}))
-        finally:
-            if token is not None:
-                GENERATION_BATCH.reset(token)
         if score_tokens is not None:
             first = out.logits[0].float()  # [batch * k, vocab] raw logits of the first new token
             out = out.sequences

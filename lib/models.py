@@ -323,6 +323,7 @@ class Loaded:
     device: str
     path: Path | None = None
     device_map: str | dict | None = None  # what load() passed to from_pretrained, if anything
+    saobp: Any = None  # the attention refinement trained with the model (lib.saobp.attach), kept off the HF modules
 
     @property
     def name(self) -> str:
@@ -342,6 +343,7 @@ class LazyLoaded(Loaded):
 
     def __init__(self, spec: ModelSpec, device: str, load, path: Path | None = None, device_map=None):
         self.spec, self.device, self.path, self.device_map = spec, device, path, device_map
+        self.saobp = None
         self._load, self._real = load, None
 
     def _loaded(self) -> Loaded:

@@ -749,29 +749,22 @@ def _attribution(study: Study, name: str, batch_size: int, progress: bool) -> to
     model = lm.model
     for chunk in repro.bar(list(hooks.batches(list(range(len(prompts))), batch_size)), desc="attribution", progress=progress):
         acts: list[torch.Tensor | None] = [None] * len(blocks)
-        handles = []
-        for slot, (site, L, _, _) in enumerate(blocks):
-            module, kind = hooks._site_hook_target(lm, site, L)
 
-            def keep(x, slot=slot):
+        def keep(slot):
+            def f(x):
                 x.retain_grad()
                 acts[slot] = x
-                return x
-            if kind == "input":
-                handles.append(module.register_forward_pre_hook(lambda m, a, keep=keep: (keep(a[0]),) + tuple(a[1:])))
-            else:
-                handles.append(module.register_forward_hook(lambda m, a, o, keep=keep: keep(o)))
+            return f
         try:
-            enc = hooks.encode(lm, [prompts[i] for i in chunk])
-            with torch.enable_grad():
-                logits = model(**enc).logits[:, -1].float()
-                lp = torch.log_softmax(logits, -1).gather(1, torch.tensor([targets[i] for i in chunk])[:, None])
-                lp.sum().backward()
+            with hooks.points(lm, [(units.point(site, L), keep(slot)) for slot, (site, L, _, _) in enumerate(blocks)]):
+                enc = hooks.encode(lm, [prompts[i] for i in chunk])
+                with torch.enable_grad():
+                    logits = model(**enc).logits[:, -1].float()
+                    lp = torch.log_softmax(logits, -1).gather(1, torch.tensor([targets[i] for i in chunk])[:, None])
+                    lp.sum().backward()
             m = enc["attention_mask"].unsqueeze(-1).float()
             total += torch.cat([(a.detach() * a.grad * m).sum((0, 1)).double() for a in acts])
         finally:
-            for h in handles:
-                h.remove()
             model.zero_grad(set_to_none=True)
     return (total / max(1, len(prompts))).float()
 

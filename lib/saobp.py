@@ -36,9 +36,11 @@ masked logits S [b, h, q, k] and A = softmax(S) over the valid keys:
   each row's valid keys).
 * (choice) A head is "collapsed" when its mean normalised entropy is below ``COLLAPSE_THRESHOLD``.
 
-It plugs into :func:`lib.hooks.attention` as the ``refine`` callback, so it works for every family
-the hook supports. :class:`SAOBP` keeps J per layer and head as a parameter attached to the model
-(``model.saobp``), so a learnable J trains and is saved with it.
+It plugs into :func:`lib.hooks.attention` (the points ``blocks.{L}.attn.hook_attn_scores`` of
+:func:`lib.hooks.points`) as the ``refine`` callback, so it works for every family the hooks support.
+:class:`SAOBP` keeps J per layer and head as a parameter; :func:`attach` keeps it with the loaded model
+(``lm.saobp`` of the :class:`lib.models.Loaded`, never on the Hugging Face modules), where :func:`active`
+and :func:`lib.scratch.train` find it.
 
 Statistics streamed per layer (:class:`AttentionStats`): attention entropy (raw and normalised, from
 :func:`lib.metrics.attention_entropy`), GTD_2hop and (with SAOBP) GTD_msg.
@@ -222,19 +224,25 @@ class SAOBP(nn.Module):
 
 
 def attach(lm: models.Loaded, J=DEFAULT_J, learnable: bool = True, mode: str = "repulsive") -> SAOBP:
-    """Attach an :class:`SAOBP` as ``lm.model.saobp`` (a submodule: trained and saved with the model).
+    """Attach an :class:`SAOBP` to the loaded model as ``lm.saobp`` (on the :class:`lib.models.Loaded`, not
+    on the Hugging Face model: :func:`active` runs it, :func:`lib.scratch.train` trains it).
 
     J: the initial J (a number, one per head, or [n_layers, n_heads]); with ``mode="repulsive"`` every
     value must be < 0 (ValueError otherwise: the plain model is the model without SAOBP, and
     ``mode="free"`` takes J >= 0)."""
     info = lm.info
     mod = SAOBP(info.n_layers, info.n_heads, J, learnable, mode).to(next(lm.model.parameters()).device)
-    lm.model.saobp = mod
+    lm.saobp = mod
     return mod
 
 
 def get(lm: models.Loaded) -> SAOBP | None:
-    return getattr(lm.model, "saobp", None)
+    return getattr(lm, "saobp", None)
+
+
+def detach(lm: models.Loaded) -> None:
+    """Back to the plain model: forget the attached SAOBP."""
+    lm.saobp = None
 
 
 @contextlib.contextmanager

@@ -253,9 +253,9 @@ def train(lm: models.Loaded, enc: dict, steps: int, batch_size: int = 32, lr: fl
     if not torch.is_grad_enabled():
         raise RuntimeError("training needs autograd: call repro.setup(seed, grad=True) first")
     model = lm.model
-    j_params = [p for n, p in model.named_parameters() if n.startswith("saobp.") and p.requires_grad]
-    ids = {id(p) for p in j_params}
-    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
+    mod = get(lm)
+    j_params = [] if mod is None else [p for p in mod.parameters() if p.requires_grad]
+    rest = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": rest, "lr": lr}] + ([{"params": j_params, "lr": j_lr, "weight_decay": 0.0}] if j_params else [])
     opt = torch.optim.AdamW(groups, weight_decay=0.01)
     gen = torch.Generator().manual_seed(seed)

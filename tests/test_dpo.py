@@ -428,9 +428,10 @@ def test_evaluate_each_copies_activations_like_one_copy_at_a_time(llama):
         assert each[0]["continuations"] != each[1]["continuations"]
     # two generations in one block (the source restarts from its prefix at each one's first step): the same
     chosen = dpo.evaluation_inputs(5, 3)["challenge_prompts"]
-    with hooks.copy_activations_each(src, llama, sets[:2], "last", source_prefix=evaluation._prefix(src, chosen)):
+    with hooks.copy_activations_each(src, llama, sets[:2], "last", source_prefix=evaluation._prefix(src, chosen)) as each_batch:
         twice = [[g.continuations for g in metrics.generate(llama, chosen, 4, metrics.GENERATE_BATCH_SIZE, max_prompt_tokens=32,
-                                                             progress=False, prefix=evaluation._prefix(llama, chosen), copies=2)]
+                                                             progress=False, prefix=evaluation._prefix(llama, chosen), copies=2,
+                                                             each_batch=each_batch)]
                  for _ in range(2)]
     last = dpo.evaluate_each(llama, sets[:2], per_batch=2, positions="last", copy_from=src, **kw)
     assert twice[0] == twice[1] == [e["continuations"] for e in last]

@@ -29,8 +29,7 @@ def _logits(lm, enc):
 
 
 def _detach(lm):
-    if hasattr(lm.model, "saobp"):
-        del lm.model.saobp
+    saobp.detach(lm)
 
 
 def test_zero_J_reproduces_the_plain_model(tiny_fam):
@@ -184,7 +183,7 @@ def test_learnable_J_gets_gradients_and_fixed_J_does_not(tiny_fam):
                 out = tiny_fam.model(**enc)[0]
             out.pow(2).mean().backward()
             assert mod.theta.grad is not None and mod.theta.grad.abs().sum() > 0
-            assert "saobp.theta" in tiny_fam.model.state_dict()
+            assert saobp.get(tiny_fam) is mod and not any("saobp" in k for k in tiny_fam.model.state_dict())
         finally:
             _detach(tiny_fam)
             tiny_fam.model.zero_grad(set_to_none=True)
@@ -214,10 +213,10 @@ def test_small_models_train_and_evaluate():
     assert vocab(raw["input_ids"]).max() < vocab.size and vocab.pad == 0
     enc = scratch.encode_classification(tok, df, 40, vocab)
     clf = scratch.small_model("bert", 1, 32, vocab, tok, num_labels=8, saobp="learnable")
-    J0 = clf.model.saobp.J.detach().clone()
+    J0 = saobp.get(clf).J.detach().clone()
     with torch.enable_grad():
         log = scratch.train(clf, enc, steps=3, batch_size=8, seed=0)
-    assert len(log.losses) == 3 and not torch.equal(J0, clf.model.saobp.J.detach())
+    assert len(log.losses) == 3 and not torch.equal(J0, saobp.get(clf).J.detach())
     acc = scratch.accuracy_or_perplexity(clf, enc)["accuracy"]
     assert 0.0 <= acc <= 1.0
     lm_enc = scratch.encode_lm(tok, df["text_a"].tolist()[:20], 16, vocab)
@@ -225,7 +224,7 @@ def test_small_models_train_and_evaluate():
     lm = scratch.small_model("llama", 1, 32, vocab, tok, saobp="fixed", J=-1.0)
     with torch.enable_grad():
         scratch.train(lm, lm_enc, steps=2, batch_size=4)
-    torch.testing.assert_close(lm.model.saobp.J.detach(), torch.full_like(lm.model.saobp.J, -1.0))
+    torch.testing.assert_close(saobp.get(lm).J.detach(), torch.full_like(saobp.get(lm).J, -1.0))
     ppl = scratch.accuracy_or_perplexity(lm, lm_enc)["perplexity"]
     assert 1.0 < ppl < 10 * vocab.size
     with pytest.raises(RuntimeError, match="autograd"):
@@ -311,7 +310,7 @@ def test_repulsive_J_stays_negative_through_training_a_model():
     clf = scratch.small_model("bert", 1, 32, vocab, tok, num_labels=8, saobp="learnable", J=-1e-3)
     with torch.enable_grad():
         scratch.train(clf, enc, steps=5, batch_size=8, seed=0, j_lr=5.0)  # a huge step size for J
-    assert (clf.model.saobp.J.detach() < 0).all()
+    assert (saobp.get(clf).J.detach() < 0).all()
 
 
 def test_initial_J_per_head_and_per_layer_and_head():

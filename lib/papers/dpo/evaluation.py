@@ -318,9 +318,9 @@ def _evaluate_each(lm: Loaded, tables: list, *, n_prompts: int, n_wiki: int, max
     groups = list(hooks.batches(list(tables), per_batch))
     for group in repro.bar(groups, desc=f"{len(tables)} conditions, {per_batch} per batch", progress=progress):
         with (hooks.intervene_each(lm, group, positions=positions) if copy_from is None
-              else hooks.copy_activations_each(copy_from, lm, group, positions, source_prefix=source_prefix)):
+              else hooks.copy_activations_each(copy_from, lm, group, positions, source_prefix=source_prefix)) as each_batch:
             gens = metrics.generate(lm, chosen, max_new_tokens, metrics.GENERATE_BATCH_SIZE, max_prompt_tokens=32,
-                                    progress=False, prefix=prefix, copies=len(group))
+                                    progress=False, prefix=prefix, copies=len(group), each_batch=each_batch)
         for g in gens:
             tox, name = metrics.toxicity(g.continuations, scorer)
             out.append({"toxicity": float(np.mean(tox)), "scorer": name, "n_prompts": len(chosen),

@@ -323,7 +323,7 @@ class Loaded:
     device: str
     path: Path | None = None
     device_map: str | dict | None = None  # what load() passed to from_pretrained, if anything
-    saobp: Any = None  # the attention refinement trained with the model (lib.saobp.attach), kept off the HF modules
+    saobp: Any = None  # the attention refinement trained with the model (lib.papers.saobp.attach), kept off the HF modules
 
     @property
     def name(self) -> str:

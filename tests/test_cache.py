@@ -18,7 +18,7 @@ from lib import data, models
 from lib.infra import cache, paths, store
 from lib.papers import dpo
 from lib.papers.dpo import neurons as dpo_neurons
-from lib import scratch as lib_scratch  # the fixture below is called scratch
+from lib.papers.saobp import scratch as lib_scratch
 
 ROOT_DATA = paths.DATA
 
@@ -191,7 +191,7 @@ def test_saobp_scratch_run_key_holds_the_task_rows(scratch, keys):
 def test_finetune_key_holds_the_encodings(scratch, monkeypatch):
     """scratch.finetune's artifact is keyed by the encodings' content: one changed token id, a new key."""
     import torch
-    from lib import scratch as sc
+    from lib.papers.saobp import scratch as sc
     from lib.infra import cache
 
     seen = []

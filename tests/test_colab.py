@@ -63,7 +63,7 @@ def test_write_keeps_each_notebooks_own_start_line_and_moves_the_cell_after_the_
     (tmp_path / "notebooks").mkdir()
     (tmp_path / "binder").mkdir()
     (tmp_path / "README.md").write_text("# x\n" + "\n".join(colab.BADGES) + "\n")
-    own = 'from lib import scratch\nrun = nb.start(globals(), "09_x", tasks=scratch.check_tasks)'
+    own = 'from lib.papers.saobp import scratch\nrun = nb.start(globals(), "09_x", tasks=scratch.check_tasks)'
     cells = [{"cell_type": "code", "id": "setup", "metadata": {"tags": ["setup"]}, "outputs": [], "execution_count": None,
               "source": "old set-up\nfrom lib import nb\n" + own},
              {"cell_type": "code", "id": "p", "metadata": {"tags": ["parameters"]}, "outputs": [], "execution_count": None,

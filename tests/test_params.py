@@ -373,7 +373,7 @@ def test_tour_sizes_beyond_the_data_or_the_model_stop_at_the_check(tmp_path):
 
 @pytest.mark.parametrize("stem", ["09_global_token_dependency", "10_saobp_small_scale_gains"])
 def test_an_empty_or_misspelled_task_list_is_named_at_the_check(stem):
-    from lib import scratch
+    from lib.papers.saobp import scratch
 
     for given in ([], "[]"):
         with pytest.raises(ValueError) as e:

@@ -1,6 +1,6 @@
 """Planted-effect tests: the positive and negative controls of each causal method.
 
-Each method runs here as the notebooks run it (lib.relations, lib.papers.dpo.neurons, lib.hooks, lib.saobp,
+Each method runs here as the notebooks run it (lib.papers.relations, lib.papers.dpo.neurons, lib.hooks, lib.papers.saobp,
 lib.stats, lib.verdict) on tiny random-weight Llama models built from configs, in pairs:
 
 * a model where the effect is planted by construction must give the verdict "holds";
@@ -29,7 +29,8 @@ import pytest
 import torch
 from tokenizers.processors import TemplateProcessing
 
-from lib import data, hooks, models, relations, saobp, stats, verdict
+from lib import data, hooks, models, stats, verdict
+from lib.papers import relations, saobp
 from lib.papers.dpo import neurons as dn
 
 FEATURE = 0  # the private hidden dimension that plants use
@@ -89,7 +90,7 @@ def _one_thread():
 
 @pytest.fixture(scope="module", autouse=True)
 def _private_cache(tmp_path_factory):
-    """lib.relations caches its runs by model name; these tests write to a folder of their own."""
+    """lib.papers.relations caches its runs by model name; these tests write to a folder of their own."""
     from lib.infra import paths
 
     with pytest.MonkeyPatch.context() as mp:

@@ -6,7 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from lib import hooks, metrics, models, relations
+from lib import hooks, metrics, models
+from lib.infra import cache
+from lib.papers import relations
+from lib.papers.relations import study as relation_study
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -246,7 +249,7 @@ def test_score_many_equals_one_task_at_a_time_and_sklearn():
     ap, tie = relations.score_many(pooled, tasks)
     assert ap.shape == tie.shape == (3, 50)
     for t, (p, q) in enumerate(tasks):
-        a1, t1 = relations._score(pooled, p, q)
+        a1, t1 = relation_study._score(pooled, p, q)
         torch.testing.assert_close(ap[t], a1)
         x = pooled[np.r_[p, q]].float().numpy()
         y = np.r_[np.ones(len(p)), np.zeros(len(q))]
@@ -296,7 +299,7 @@ def test_study_and_its_runs_are_records_read_back_without_a_forward_pass(tmp_pat
     assert other.fingerprint != study.fingerprint
     assert len(list(store.root().rglob("*.json*"))) > n_records  # a new study record, not the old one
     fresh = relations.setup("tiny", **kw)
-    monkeypatch.setattr(relations.cache, "get_or_build", lambda kind, m, p, build, **k: build())  # no cached responses
+    monkeypatch.setattr(cache, "get_or_build", lambda kind, m, p, build, **k: build())  # no cached responses
     fresh.pooled_rows = None
     torch.testing.assert_close(fresh.pooled.float(), first.float(), atol=2e-2, rtol=2e-2)
 

@@ -1,10 +1,11 @@
-"""Relation-neuron scoring (lib.relations) on tiny random models and hand-made cases; the study as a
+"""Relation-neuron scoring (lib.papers.relations) on tiny random models and hand-made cases; the study as a
 whole (setup, answer, facts files) is in test_relation_study.py."""
 import numpy as np
 import pytest
 import torch
 
-from lib import hooks, metrics, models, relations
+from lib import hooks, metrics, models
+from lib.papers import relations
 
 
 # ----------------------------------------------------------------------------- AP (shared metric)

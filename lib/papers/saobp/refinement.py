@@ -40,12 +40,12 @@ It plugs into :func:`lib.hooks.attention` (the points ``blocks.{L}.attn.hook_att
 :func:`lib.hooks.points`) as the ``refine`` callback, so it works for every family the hooks support.
 :class:`SAOBP` keeps J per layer and head as a parameter; :func:`attach` keeps it with the loaded model
 (``lm.saobp`` of the :class:`lib.models.Loaded`, never on the Hugging Face modules), where :func:`active`
-and :func:`lib.scratch.train` find it.
+and :func:`lib.papers.saobp.scratch.train` find it.
 
 Statistics streamed per layer (:class:`AttentionStats`): attention entropy (raw and normalised, from
 :func:`lib.metrics.attention_entropy`), GTD_2hop and (with SAOBP) GTD_msg.
 
-The small models trained from scratch, their data and their training loop are in :mod:`lib.scratch`.
+The small models trained from scratch, their data and their training loop are in :mod:`lib.papers.saobp.scratch`.
 """
 from __future__ import annotations
 
@@ -101,25 +101,6 @@ def messages(scores: torch.Tensor, valid: torch.Tensor | None, J) -> torch.Tenso
     eye = torch.eye(q, dtype=torch.bool, device=A.device)
     A_off = A.masked_fill(eye, 0.0)  # k != i; invalid keys k already have A_ik = 0
     return A_off @ log_msg  # [b, h, n, n]
-
-
-def messages_loop(scores: torch.Tensor, valid: torch.Tensor | None, J: float) -> torch.Tensor:
-    """The same M written as the slow obvious triple loop (for tests): one batch row, one head."""
-    A = _probs(scores, valid)
-    b, h, n, _ = A.shape
-    g = math.expm1(J)
-    M = torch.zeros_like(A)
-    for bi in range(b):
-        for hi in range(h):
-            for i in range(n):
-                for j in range(n):
-                    s = 0.0
-                    for kk in range(n):
-                        key_ok = True if valid is None else bool(valid[bi, 0, i, kk])
-                        if kk != i and key_ok:
-                            s += float(A[bi, hi, i, kk]) * math.log(1 + g * float(A[bi, hi, kk, j]))
-                    M[bi, hi, i, j] = s
-    return M
 
 
 def query_mask(valid: torch.Tensor | None, shape) -> torch.Tensor:
@@ -225,7 +206,7 @@ class SAOBP(nn.Module):
 
 def attach(lm: models.Loaded, J=DEFAULT_J, learnable: bool = True, mode: str = "repulsive") -> SAOBP:
     """Attach an :class:`SAOBP` to the loaded model as ``lm.saobp`` (on the :class:`lib.models.Loaded`, not
-    on the Hugging Face model: :func:`active` runs it, :func:`lib.scratch.train` trains it).
+    on the Hugging Face model: :func:`active` runs it, :func:`lib.papers.saobp.scratch.train` trains it).
 
     J: the initial J (a number, one per head, or [n_layers, n_heads]); with ``mode="repulsive"`` every
     value must be < 0 (ValueError otherwise: the plain model is the model without SAOBP, and

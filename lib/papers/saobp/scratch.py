@@ -1,6 +1,6 @@
 """Small models trained from scratch and fine-tuned encoders, for notebooks 08-10 (paper B).
 
-The training toolkit around the reconstructed refinement of :mod:`lib.saobp`: a synthetic two-hop QA
+The training toolkit around the reconstructed refinement of :mod:`lib.papers.saobp`: a synthetic two-hop QA
 task, a compact vocabulary, randomly initialised BERT classifiers and Llama LMs of a few sizes
 (:data:`SIZES`), encoders for classification and LM data, a training loop, evaluation, one cached
 from-scratch run (:func:`scratch_run`; :func:`scratch_runs` builds many in worker processes; notebooks
@@ -11,7 +11,7 @@ The training loop (:func:`train`) is a plain seeded AdamW loop, not ``transforme
 are tiny (1-4 layers) and train for a few hundred steps on one CPU, and the loop needs exactly three
 things, which are a few lines each here and would each be an override or a callback in a Trainer: a
 learning rate of its own for SAOBP's J (it barely moves at the model's), every forward pass inside
-:func:`lib.saobp.active` (the refinement and the eager attention function), and seeded random
+:func:`lib.papers.saobp.active` (the refinement and the eager attention function), and seeded random
 mini-batches that both arms of a comparison share. Trainer's machinery (checkpointing, logging,
 evaluation loops, distributed training, mixed precision) is not needed at this size. Each from-scratch
 run trains on one CPU thread; two cores are used by running two at a time (:func:`scratch_runs`).
@@ -31,10 +31,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from lib import models
-from lib.infra import repro, store
-from lib.saobp import (DEFAULT_J, J_MODES, AttentionStats, active, attach, attention_stats, batches, depth_fall, get,
-                       no_cache, trim)
+from lib import data, models
+from lib.infra import cache, params, repro, store
+from lib.papers.saobp.refinement import (DEFAULT_J, J_MODES, AttentionStats, active, attach, attention_stats, batches, depth_fall, get,
+                                          no_cache, trim)
 
 # ----------------------------------------------------------------------------- synthetic two-hop QA
 
@@ -147,7 +147,7 @@ def small_model(family: str, n_layers: int, d_model: int, vocab: Vocab, tokenize
     """A randomly initialised BERT classifier (``num_labels``) or Llama LM (``num_labels=None``).
 
     saobp: None (plain), 'learnable' (J per head, starts at ``J``) or 'fixed' (J held at ``J``);
-    j_mode: 'repulsive' (J = -softplus(theta), needs J < 0) or 'free' (see :func:`lib.saobp.attach`).
+    j_mode: 'repulsive' (J = -softplus(theta), needs J < 0) or 'free' (see :func:`lib.papers.saobp.attach`).
     """
     import transformers as tf
 
@@ -353,8 +353,6 @@ def task_source(task: str):
     """The raw (train, dev) data of a from-scratch task. GLUE: the 1,000-row train sample and the GLUE
     dev set (DataFrames); 'multihop': 1,000 / 500 synthetic examples; 'LM': Wikipedia prompt+gold text
     of rows 0..1499 for training and the gold text of rows 1500.. for evaluation (lists of texts)."""
-    from lib import data
-
     if task not in SCRATCH_TASKS:
         raise ValueError(f"unknown task {task!r}: use one of {', '.join(SCRATCH_TASKS)}")
     if task == "LM":
@@ -420,7 +418,7 @@ def scratch_run(task: str, size: str, seed: int, variant: str, steps: int, batch
     :func:`train`). LM runs also return the dev set's unigram perplexity (``metrics["unigram_perplexity"]``,
     :func:`unigram_perplexity`), the bar for "learned".
 
-    Cache key: kind 'saobp-scratch' (kept from when this lived in lib.saobp). A baseline's key records
+    Cache key: kind 'saobp-scratch' (kept from when this lived in lib.papers.saobp). A baseline's key records
     J = 0.0 (the plain model) whatever ``J`` is, and a 'free' run's key has no ``j_mode`` entry, so both
     keep the keys they had before the repulsive mode existed; a 'repulsive' run's key adds
     ``j_mode='repulsive'``. Version 2: results hold the sink metrics, the curve and the LM's unigram
@@ -432,8 +430,6 @@ def scratch_run(task: str, size: str, seed: int, variant: str, steps: int, batch
     are the same whichever notebook's model asks for them), keyed by these parameters.
 
     ``where=True``: return whether the run's record exists (without training it) instead of the run."""
-    from lib.infra import cache
-
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}: use one of {', '.join(SIZES)}")
     modes = {"baseline": None, "saobp": "learnable", "saobp-fixed": "fixed"}
@@ -529,8 +525,6 @@ def scratch_runs(configs: Sequence[dict], workers: int | None = None, progress: 
     if n > 1 and len(todo) > 1:
         for name in sorted({c.get("decoder", "smollm2-135m") if c["task"] == "LM" else c.get("encoder", "minilm-l6") for c in todo}):
             models.prepare_embedded(name)  # once, here, rather than by every worker at the same time
-        from lib.infra import params
-
         run = params.current()
         if run is not None:  # the workers' records name the notebook they were measured for (their provenance)
             os.environ[store.NOTEBOOK_ENV] = run.notebook
@@ -565,8 +559,6 @@ def finetune(model_name: str, arm: str, seed: int, train_enc: dict, texts_enc: d
     Cache key: kind 'saobp-finetune' for ``model_name`` with the fields notebook 08's own loop had
     (version 2) plus the encodings' content hash; the SAOBP arm's key adds ``J`` and ``j_mode``
     (it used to start at J = 0, which the repulsive mode cannot represent)."""
-    from lib.infra import cache
-
     if arm not in ("baseline", "saobp"):
         raise ValueError(f"unknown arm {arm!r}: use 'baseline' or 'saobp'")
     if j_mode not in J_MODES:
@@ -589,12 +581,12 @@ def finetune(model_name: str, arm: str, seed: int, train_enc: dict, texts_enc: d
                 "J": None if mod is None else mod.J.detach().clone(), "seconds_per_step": log.seconds_per_step,
                 "loss_last": float(np.mean(log.losses[-5:]))}
 
-    params = dict(model=model_name, arm=arm, seed=seed, steps=steps, batch_size=batch_size, lr=lr, j_lr=j_lr, **key, version=2,
-                  # the encodings' content: edited texts or labels give a new artifact, never a stale one
-                  data=cache.content_hash([{k: v for k, v in sorted(e.items())} for e in (train_enc, texts_enc, eval_enc)]))
+    record_params = dict(model=model_name, arm=arm, seed=seed, steps=steps, batch_size=batch_size, lr=lr, j_lr=j_lr, **key, version=2,
+                         # the encodings' content: edited texts or labels give a new artifact, never a stale one
+                         data=cache.content_hash([{k: v for k, v in sorted(e.items())} for e in (train_enc, texts_enc, eval_enc)]))
     if arm == "saobp":
-        params.update(J=J, j_mode=j_mode)
-    return store.measure("saobp-finetune", store.owner(model_name), params, build, device=str(device))
+        record_params.update(J=J, j_mode=j_mode)
+    return store.measure("saobp-finetune", store.owner(model_name), record_params, build, device=str(device))
 
 
 # ----------------------------------------------------------------------------- records (lib.infra.store)

@@ -17,8 +17,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from lib import data, hooks, models
 from lib.hooks import batches, cache_argument, hooked
-from lib.infra import repro
+from lib.infra import cache, repro
 from lib.models import Loaded
 
 SCORERS = ("auto", "profanity-check", "detoxify", "minilm-lr")
@@ -272,8 +273,6 @@ class EmbeddingScorer:
     n_test: dict
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
-        from lib import hooks
-
         lm = _encoder(self.encoder)
         return hooks.pooled_residuals(lm, list(texts), ("final",), batch_size=32, max_length=self.max_length,
                                       progress=False)["final"].numpy()
@@ -295,8 +294,6 @@ _SCORERS: dict = {}
 
 def _encoder(name: str) -> Loaded:
     if name not in _ENCODERS:
-        from lib import models
-
         _ENCODERS[name] = models.load(name, device="cpu")
     return _ENCODERS[name]
 
@@ -324,9 +321,6 @@ def embedding_scorer(n_davidson_per_class: int = 1000, seed: int = 0, encoder: s
     cleaned or not) by these held-out AUCs and by six hand-written sentences: its AUCs (about 0.97 on
     tweets, 0.88 on comments) are therefore slightly optimistic. The standardised C = 1 fit scored
     "you are a fucking idiot" 0.00 while reaching 0.93 AUC on tweets: a fit to tweet artefacts."""
-    from lib import data
-    from lib.infra import cache
-
     def split(df, text, test_size):
         from sklearn.model_selection import train_test_split
 

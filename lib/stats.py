@@ -311,24 +311,6 @@ def n_paired_continuous(effect: float, sd: float, alpha: float = 0.05, power: fl
     return int(math.ceil(float(n)))
 
 
-def mde_paired_binary(n: int, discordant: float | None = None, alpha: float = 0.05, power: float = 0.8) -> float:
-    """Minimum detectable change in accuracy of a paired right/wrong design with ``n`` items.
-
-    ``discordant``: the expected share of items whose outcome changes (either way). The exact McNemar
-    test needs at least m discordant pairs all in one direction before it can reject (m = 6 at
-    alpha 0.05), so the result is never below m/n. With ``discordant`` given, the normal
-    approximation of McNemar's test is used on top: (z_a/2 + z_power) * sqrt(discordant / n).
-    """
-    if n < 1:
-        raise ValueError(f"n must be positive, got {n}")
-    m = next((k for k in range(1, 64) if min_sign_test_p(k) <= alpha), 64)
-    floor = m / n
-    if discordant is None:
-        return float(min(1.0, floor))
-    z = _st.norm.ppf(1 - alpha / 2) + _st.norm.ppf(power)
-    return float(min(1.0, max(floor, z * math.sqrt(max(discordant, 0.0) / n))))
-
-
 def mde_from_interval(est: Estimate, power: float = 0.8) -> float:
     """Minimum detectable effect implied by an interval: (z_a/2 + z_power) * SE, with the SE read off
     the interval's half-width. 0.71 x the interval's width at 95% and 80% power."""

@@ -30,7 +30,7 @@ import torch
 from tokenizers.processors import TemplateProcessing
 
 from lib import data, hooks, models, stats, verdict
-from lib.papers import relations, saobp
+from lib.papers import dpo, relations, saobp
 from lib.papers.dpo import neurons as dn
 
 FEATURE = 0  # the private hidden dimension that plants use
@@ -314,7 +314,7 @@ def copy_pair(arm: str):
     wire(base, S, gain=1.0, writes=WRITE * w / w.norm())
     tuned = copy.deepcopy(base)
     shifted = {"planted": S, "same": S[:0],
-               "elsewhere": hooks.random_neurons(S, base.info.n_layers, base.info.d_mlp, seed=99)}[arm]
+               "elsewhere": dpo.random_neurons(S, base.info.n_layers, base.info.d_mlp, seed=99)}[arm]
     with torch.no_grad():
         for L, i in shifted:
             up = tuned.model.model.layers[L].mlp.up_proj.weight
@@ -361,7 +361,7 @@ def test_projection_shares_point_to_the_shifted_neurons(pair_run):
     if pre[0].met:
         pb, pt = per_prompt_means(base, r["gen_base"], r["k"]), per_prompt_means(tuned, r["gen_tuned"], r["k"])
         deltas = [dn.projection_deltas(base, tuned, pb[p], pt[p], w) for p in range(len(pb))]
-        sets = [hooks.random_neurons(S, base.info.n_layers, base.info.d_mlp, seed=s) for s in range(N_CONTROLS)]
+        sets = [dpo.random_neurons(S, base.info.n_layers, base.info.d_mlp, seed=s) for s in range(N_CONTROLS)]
 
         def share(neurons):  # per prompt; a prompt with no positive change counts as a share of 0
             return np.nan_to_num([dn.positive_share(d, neurons.tolist()) for d in deltas])
@@ -387,7 +387,7 @@ def test_patching_recovers_the_copy_change(pair_run):
            verdict.require("evaluation prompts", len(prompts), ">=", MIN_ITEMS)]
     lp_patch = last_logprob(base, prompts, token, dn.patch_table(S.tolist(), r["m_tuned"]))  # notebook 05
     est = stats.paired_bootstrap(lp_patch, lp_base)
-    sets = [hooks.random_neurons(S, base.info.n_layers, base.info.d_mlp, seed=s) for s in range(N_CONTROLS)]
+    sets = [dpo.random_neurons(S, base.info.n_layers, base.info.d_mlp, seed=s) for s in range(N_CONTROLS)]
     ctl = [float((last_logprob(base, prompts, token, dn.patch_table(s.tolist(), r["m_tuned"])) - lp_base).mean())
            for s in sets]
     v = verdict.decide(PATCHING, est, pre, stats.against_controls(est.value, ctl, greater=False))

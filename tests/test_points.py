@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lib import hooks, models
+from lib.papers import relations
 
 
 def _n_hooks(lm):
@@ -157,12 +158,12 @@ def test_unknown_point_names_fail_in_one_line_naming_the_valid_ones(tiny):
 
 def test_units_and_edits_address_a_neuron_as_a_point_and_an_index():
     lm = models.tiny_random("llama")
-    u = hooks.Units.of(lm, ("up", "gate", "down"))
+    u = relations.Units.of(lm, ("up", "gate", "down"))
     d = lm.info.d_mlp
     flat = [0, 5, lm.info.n_layers * d + d + 7, u.size - 1]
     assert u.group(flat) == {"blocks.0.mlp.hook_up": [0, 5], "blocks.1.mlp.hook_gate": [7],
                              f"blocks.{lm.info.n_layers - 1}.mlp.hook_out": [lm.info.d_model - 1]}
-    assert hooks.Edit(1, 3).point == "blocks.1.mlp.hook_post" == hooks.Units.point("act", 1)
+    assert hooks.Edit(1, 3).point == "blocks.1.mlp.hook_post" == relations.Units.point("act", 1)
     for name in u.group(flat):
         hooks.resolve(lm, name)  # every address names a real point
 

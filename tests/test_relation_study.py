@@ -25,7 +25,7 @@ def _private_cache(tmp_path_factory):
 def test_units_index_round_trips_and_names_sites(family):
     lm = models.tiny_random(family)
     sites = ("up", "down") if family == "gpt2" else ("up", "gate", "down")
-    u = hooks.Units.of(lm, sites)
+    u = relations.Units.of(lm, sites)
     info = lm.info
     assert u.size == info.n_layers * (info.d_mlp * (len(sites) - 1) + info.d_model)
     flat = np.arange(u.size)
@@ -37,26 +37,26 @@ def test_units_index_round_trips_and_names_sites(family):
     with pytest.raises(ValueError, match="out of range"):
         u.split([u.size])
     with pytest.raises(ValueError, match="unknown MLP site"):
-        hooks.Units.of(lm, ("mlp",))
+        relations.Units.of(lm, ("mlp",))
     if family == "gpt2":
         with pytest.raises(ValueError, match="no 'gate'"):
-            hooks.Units.of(lm, ("gate",))
+            relations.Units.of(lm, ("gate",))
 
 
 def test_recorder_act_site_equals_mlp_recorder_and_zeroing_up_equals_zeroing_act():
     lm = models.tiny_random("llama")
     texts = ["the cat sat on the mat", "a dog", "hello there world"]
     ref = hooks.mlp_activation_stats(lm, texts, pooled=True, progress=False).pooled  # [n, L, d_mlp]
-    u = hooks.Units.of(lm, ("act",))
+    u = relations.Units.of(lm, ("act",))
     got = relations.answer(lm, texts, ["x"] * 3, n_tokens=1, units=u, record=True).pooled
     torch.testing.assert_close(got.float(), ref.reshape(3, -1), atol=2e-3, rtol=1e-2)  # fp16 storage
     enc = hooks.encode(lm, texts[:1])
-    up = hooks.Units.of(lm, ("up", "gate", "down"))
+    up = relations.Units.of(lm, ("up", "gate", "down"))
     with torch.no_grad():
         base = lm.model(**enc).logits
-        with hooks.zero_units(lm, up, []):
+        with relations.zero_units(lm, up, []):
             same = lm.model(**enc).logits
-        with hooks.zero_units(lm, up, [1 * lm.info.d_mlp + 5]):  # up:L1N5
+        with relations.zero_units(lm, up, [1 * lm.info.d_mlp + 5]):  # up:L1N5
             a = lm.model(**enc).logits
         with hooks.intervene(lm, [(1, 5, "zero", 0.0)]):  # act:L1N5
             b = lm.model(**enc).logits
@@ -78,7 +78,7 @@ def test_answer_matches_generate(family):
     g2 = metrics.generate(lm, prompts, max_new_tokens=1, progress=False, score_tokens=t)
     np.testing.assert_allclose(a.logprob, g2.first_token_logprob, atol=1e-4)
     assert a.rank.tolist() == g2.first_token_rank
-    u = hooks.Units.of(lm, ("up", "down"))
+    u = relations.Units.of(lm, ("up", "down"))
     off = relations.answer(lm, prompts, golds, n_tokens=3, units=u, off=np.arange(u.size))
     assert len(off.continuation) == 3
     with pytest.raises(ValueError, match="units"):
@@ -162,7 +162,7 @@ def test_split_by_id_is_aligned_and_disjoint():
 
 def test_random_units_match_site_and_layer_blocks():
     lm = models.tiny_random("llama")
-    u = hooks.Units.of(lm, ("up", "gate", "down"))
+    u = relations.Units.of(lm, ("up", "gate", "down"))
     like = np.array([0, 1, 2, u.size - 1, u.size - 2, lm.info.d_mlp * lm.info.n_layers + 7])
     r = relations.random_units(u, like, seed=1)
     assert sorted(u.stratum(r).tolist()) == sorted(u.stratum(like).tolist())

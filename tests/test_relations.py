@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lib import hooks, metrics, models
-from lib.papers import relations
+from lib.papers import dpo, relations
 
 
 # ----------------------------------------------------------------------------- AP (shared metric)
@@ -49,11 +49,11 @@ def test_planted_unit_has_ap_one_and_top_of_breaks_ties_by_the_second_score():
 def test_random_neurons_match_layers_and_exclude_the_set():
     """Paper A's control (01, 03): (layer, neuron) pairs with the same layer counts, none of the set."""
     like = np.array([[1, 0], [1, 1], [1, 2], [3, 5]])
-    r = hooks.random_neurons(like, 4, 10, seed=1)
+    r = dpo.random_neurons(like, 4, 10, seed=1)
     assert np.bincount(r[:, 0], minlength=4).tolist() == np.bincount(like[:, 0], minlength=4).tolist()
     assert not set(map(tuple, r.tolist())) & set(map(tuple, like.tolist()))
-    assert np.array_equal(r, hooks.random_neurons(like, 4, 10, seed=1))
-    u = hooks.random_neurons(like, 4, 10, seed=2, match_layers=False)
+    assert np.array_equal(r, dpo.random_neurons(like, 4, 10, seed=1))
+    u = dpo.random_neurons(like, 4, 10, seed=2, match_layers=False)
     assert len(u) == 4 and len(set(map(tuple, u.tolist()))) == 4
 
 
@@ -85,7 +85,7 @@ def test_planted_marker_neuron_is_found_and_zeroing_it_changes_the_output(family
                 p[i] = 0.0
     pos = ["zebra the cat sat", "a zebra ran away", "the zebra ate grass", "zebra zebra"]
     neg = ["the cat sat down", "a dog ran away", "the cow ate grass", "hello there"]
-    units = hooks.Units.of(lm, ("act",))
+    units = relations.Units.of(lm, ("act",))
     pooled = relations.answer(lm, pos + neg, ["x"] * 8, n_tokens=1, units=units, record=True).pooled
     ap, tie = relations.score_many(pooled.float(), [(np.arange(4), np.arange(4, 8))])
     flat = L * lm.info.d_mlp + i  # act:L{L}N{i}
@@ -96,9 +96,9 @@ def test_planted_marker_neuron_is_found_and_zeroing_it_changes_the_output(family
     enc = hooks.encode(lm, ["zebra"])
     with torch.no_grad():
         base = lm.model(**enc)[0]
-        with hooks.zero_units(lm, units, [flat]):
+        with relations.zero_units(lm, units, [flat]):
             off = lm.model(**enc)[0]
-        with hooks.zero_units(lm, units, []):
+        with relations.zero_units(lm, units, []):
             same = lm.model(**enc)[0]
     assert not torch.allclose(base, off)
     torch.testing.assert_close(base, same)

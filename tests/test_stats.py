@@ -108,9 +108,8 @@ def test_minimum_detectable_effects():
     assert stats.n_paired_continuous(0.5, sd=1.0) < n and stats.n_paired_continuous(0.25, sd=2.0) > n
     with pytest.raises(ValueError, match="positive"):
         stats.n_paired_continuous(0.0, sd=1.0)
-    # binary: at least 6 discordant pairs in one direction are needed at alpha 0.05 (2 * 0.5**6 = 0.031)
-    assert stats.mde_paired_binary(12) == pytest.approx(6 / 12)
-    assert stats.mde_paired_binary(1000, discordant=0.1) > stats.mde_paired_binary(1000)
+    # a sign test needs at least 6 seeds, all in one direction, for p <= 0.05 (2 * 0.5**6 = 0.031)
+    assert stats.min_sign_test_p(6) <= 0.05 < stats.min_sign_test_p(5)
     e = stats.Estimate(0.0, -0.1, 0.1, 50)
     assert stats.mde_from_interval(e) == pytest.approx(0.2 / 3.92 * 2.80, rel=0.01)
 

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
-from lib import data, hooks, metrics
+from lib import data, hooks, metrics, verdict
 from lib.infra import cache, repro, store
 from lib.models import Loaded
 from lib.papers.dpo.sizes import Sizes
@@ -328,3 +328,10 @@ def _evaluate_each(lm: Loaded, tables: list, *, n_prompts: int, n_wiki: int, max
     return out
 
 
+
+
+def dpo_lowered_toxicity(dpo_minus_base) -> verdict.Precondition:
+    """The first precondition of 03, 05 and 06: DPO lowered toxicity, i.e. the upper end of the 95% interval of
+    DPO - base (a :class:`lib.stats.Estimate` over prompts) lies below 0."""
+    return verdict.require("DPO lowered toxicity: upper end of the 95% interval of DPO - base",
+                           round(dpo_minus_base.high, 3), "<", 0)

@@ -12,6 +12,7 @@ from lib import data, hooks, metrics, stats, verdict
 from lib.infra import cache, repro, store
 from lib.models import Loaded
 from lib.papers.dpo.evaluation import CONDITIONS_PER_BATCH
+from lib.papers.dpo.neurons import random_neurons
 from lib.papers.dpo.pairs import _tensor_key
 from lib.papers.dpo.probe import NONTOXIC_WORDS, TOXIC_WORDS, Probe
 
@@ -233,7 +234,7 @@ def validate_directions(lm: Loaded, probe: Probe, scorer: str = "auto", seed: in
             est = stats.paired_bootstrap(cand[k], t0, seed=seed) if sign > 0 else stats.paired_bootstrap(t0, cand[k], seed=seed)
             ctl = stats.against_controls(est.value, rand, name=f"{len(rand)} random directions")
             top = top_aligned(hooks.cosine_with(vv, vec).cpu(), s["n_neurons"])
-            sets = [hooks.random_neurons(top, lm.info.n_layers, lm.info.d_mlp, seed=seed + j)
+            sets = [random_neurons(top, lm.info.n_layers, lm.info.d_mlp, seed=seed + j)
                     for j in range(s["n_neuron_sets"])]
             tox_sets = neuron_token_toxicity(lm, np.concatenate(sets), s["top_k_tokens"], scorer,
                                              value_vectors=vv).reshape(len(sets), -1)

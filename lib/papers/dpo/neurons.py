@@ -410,3 +410,32 @@ def _compare_stats(c: dict, f: dict) -> list:
 
 store.step("neuron-stats", 1, "paper A: each model's mean MLP activation per neuron over the last positions of its "
            "(or the base model's) continuations, with the continuations", _compare_stats)
+
+
+# ----------------------------------------------------------------------------- random control sets
+
+
+def random_neurons(like: np.ndarray, n_layers: int, d_mlp: int, seed: int = 0, match_layers: bool = True,
+                   exclude: np.ndarray | None = None) -> np.ndarray:
+    """A random control set with as many neurons as ``like`` [k, 2].
+
+    match_layers=True draws, in each layer, as many neurons as ``like`` has there (same layer
+    distribution); False draws uniformly over all neurons. Neurons in ``exclude`` (default: ``like``)
+    are never drawn."""
+    like = np.asarray(like, dtype=int).reshape(-1, 2)
+    excl = like if exclude is None else np.asarray(exclude, dtype=int).reshape(-1, 2)
+    banned = set((excl[:, 0] * d_mlp + excl[:, 1]).tolist())
+    rng = np.random.default_rng(seed)
+    if match_layers:
+        out = []
+        for L, c in zip(*np.unique(like[:, 0], return_counts=True)):
+            pool = np.setdiff1d(np.arange(d_mlp), [f % d_mlp for f in banned if f // d_mlp == L])
+            if len(pool) < c:
+                raise ValueError(f"layer {L} has {len(pool)} neurons outside the excluded set, {c} asked for")
+            out += [(int(L), int(i)) for i in rng.choice(pool, size=c, replace=False)]
+        out = np.asarray(out, dtype=int).reshape(-1, 2)
+    else:
+        pool = np.setdiff1d(np.arange(n_layers * d_mlp), list(banned))
+        flat = rng.choice(pool, size=len(like), replace=False)
+        out = np.stack([flat // d_mlp, flat % d_mlp], 1)
+    return out[np.lexsort((out[:, 1], out[:, 0]))]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pandas as pd
 import torch
 
 from lib import metrics, models
@@ -98,15 +99,43 @@ class Setup:
                                       max_new_tokens=self.sizes.max_new_tokens, k=self.sizes.last_k, progress=progress,
                                       texts=texts)
 
+    def mean_activations(self) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """:meth:`activations` (each model on its own texts) checked as any model's must be, [n_layers, d_mlp] and
+        finite, with a two-line report: (the base model's means, DPO's means, everything ``pair_stats`` returns)."""
+        act = self.activations()
+        m_base, m_dpo = act["base"], act["tuned"]  # [n_layers, d_mlp] mean activations
+        info = self.base_lm.info
+        if not m_base.shape == m_dpo.shape == (info.n_layers, info.d_mlp):
+            raise AssertionError(f"mean activations of shape {tuple(m_base.shape)} and {tuple(m_dpo.shape)}, "
+                                 f"expected {(info.n_layers, info.d_mlp)}")
+        if not (torch.isfinite(m_base).all() and torch.isfinite(m_dpo).all()):
+            raise AssertionError("a mean activation is not finite")
+        print(f"{len(self.stats_prompts)} prompts; positions counted per layer: base {act['count']['base']}, "
+              f"DPO {act['count']['tuned']}")
+        print("shapes and finiteness: ok")
+        return m_base, m_dpo, act
+
     def references(self) -> tuple[dict, dict]:
-        """(base, DPO) evaluations at these sizes with per-prompt details, cached (03, 05 and 06 share them)."""
+        """(base, DPO) evaluations at these sizes with per-prompt details, cached (03, 05 and 06 share them); checked:
+        toxicity and F1 in [0, 1], perplexity above 1."""
         self._loaded()
         s = self.sizes
         ref = dpo_neurons.reference_evaluations(self.model_name, self.base_lm, self.dpo_lm, self.dpo_key,
                                                 toxicity_perplexity_f1, n_prompts=s.n_prompts, n_wiki=s.n_wiki,
                                                 max_new_tokens=s.max_new_tokens, scorer=self.scorer, progress=False,
                                                 details=True, **self.prompt_kw)
+        for name, ev in (("base", ref["base"]), ("DPO", ref["tuned"])):
+            if not (0 <= ev["toxicity"] <= 1 and ev["perplexity"] > 1 and 0 <= ev["f1"] <= 1):
+                raise AssertionError(f"the {name} evaluation is out of range: toxicity {ev['toxicity']}, perplexity "
+                                     f"{ev['perplexity']}, F1 {ev['f1']}")
         return ref["base"], ref["tuned"]
+
+    def reference_table(self) -> pd.DataFrame:
+        """The base and DPO evaluations of :meth:`references`, one row each, without their per-prompt details."""
+        summary = ["toxicity", "perplexity", "f1", "scorer", "n_prompts", "n_wiki"]
+        ev_base, ev_dpo = self.references()
+        return pd.DataFrame([{"model": "base", **{k: ev_base[k] for k in summary}},
+                             {"model": "DPO", **{k: ev_dpo[k] for k in summary}}])
 
     def evaluate(self, lm: Loaded, table=None, *, toxicity_only: bool = False, positions: str | None = None) -> dict:
         """:func:`evaluate` at these sizes, prompts and scorer, with ``table`` active at ``positions``

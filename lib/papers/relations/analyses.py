@@ -12,6 +12,7 @@ from lib import hooks
 from lib.infra import cache, repro, store
 from lib.papers.relations.facts import Relation, TestSet, gold_first_token, klar_facts
 from lib.papers.relations.study import Study, _facts_from, _score
+from lib.papers.relations.units import UnitRecorder
 
 def attribution(study: Study, name: str, batch_size: int = 16, progress: bool = False) -> torch.Tensor:
     """[units.size] first-order estimate of how much zeroing each unit *alone* lowers the gold object's
@@ -145,7 +146,7 @@ def ap_by_tokens(study: "Study", name: str, parts: Sequence[str] = ("subject", "
         n = len(ids)
         order = sorted(range(n), key=lambda i: (len(ids[i]), i))
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        recs = {p: hooks.UnitRecorder(lm, units) for p in parts}
+        recs = {p: UnitRecorder(lm, units) for p in parts}
         import contextlib
         import inspect
         keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(lm.model.forward).parameters else {}

@@ -14,6 +14,7 @@ from lib import hooks
 from lib.infra import cache, repro, store
 from lib.models import Loaded
 from lib.papers.relations.facts import gold_first_token
+from lib.papers.relations.units import UnitRecorder, Units, zero_units
 
 # ----------------------------------------------------------------------------- cached runs
 
@@ -38,7 +39,7 @@ class Protocol:
     name: str
     shots: int  # answered facts of the same relation before each prompt
     n_tokens: int  # greedy tokens generated per prompt
-    sites: tuple[str, ...]  # lib.hooks.SITES: where a neuron lives
+    sites: tuple[str, ...]  # lib.SITES: where a neuron lives
     k_fraction: float  # share of all units selected per relation
     rule: str  # how a continuation is scored against the object: see matches()
     description: str
@@ -93,7 +94,7 @@ def _cache_of(out):
 
 @torch.inference_mode()
 def answer(lm: Loaded, prompts: Sequence[str], golds: Sequence[str], n_tokens: int = 2, rule: str = "prefix",
-           units: "hooks.Units | None" = None, off=None, record: bool = False, batch_size: int = 64,
+           units: "Units | None" = None, off=None, record: bool = False, batch_size: int = 64,
            max_prompt_tokens: int = 128, progress: bool = False, desc: str = "answers") -> Answers:
     """Greedy answers in batched forward passes: one prefill (last-position logits only) and
     ``n_tokens - 1`` KV-cached steps. ``off``: flat unit indices of ``units`` set to 0 at every
@@ -109,7 +110,7 @@ def answer(lm: Loaded, prompts: Sequence[str], golds: Sequence[str], n_tokens: i
     if rule not in RULES:
         raise ValueError(f"unknown rule {rule!r}: use one of {', '.join(RULES)}")
     if (record or off is not None) and units is None:
-        raise ValueError("record and off need units (lib.hooks.Units.of(lm, sites))")
+        raise ValueError("record and off need units (lib.Units.of(lm, sites))")
     if not lm.info.is_causal:
         raise ValueError(f"{lm.name} is an encoder; answering needs a decoder")
     tok, model = lm.tokenizer, lm.model
@@ -132,8 +133,8 @@ def answer(lm: Loaded, prompts: Sequence[str], golds: Sequence[str], n_tokens: i
     gc_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos |= set(gc_eos if isinstance(gc_eos, (list, tuple)) else [gc_eos]) - {None}
     dev = model.device
-    off_ctx = hooks.zero_units(lm, units, off) if off is not None and len(off) else contextlib.nullcontext()
-    rec = hooks.UnitRecorder(lm, units) if record else None
+    off_ctx = zero_units(lm, units, off) if off is not None and len(off) else contextlib.nullcontext()
+    rec = UnitRecorder(lm, units) if record else None
     with off_ctx, (rec if rec is not None else contextlib.nullcontext()):
         chunks = list(hooks.batches(order, batch_size))
         for chunk in repro.bar(chunks, total=len(chunks), desc=desc, progress=progress):
@@ -178,7 +179,7 @@ def answer(lm: Loaded, prompts: Sequence[str], golds: Sequence[str], n_tokens: i
 
 
 def measured_answers(lm: Loaded, model_name: str, prompts: Sequence[str], golds: Sequence[str], n_tokens: int = 2,
-                     rule: str = "prefix", units: "hooks.Units | None" = None, off=None, batch_size: int = 64,
+                     rule: str = "prefix", units: "Units | None" = None, off=None, batch_size: int = 64,
                      max_prompt_tokens: int = 128, progress: bool = False) -> Answers:
     """:func:`answer` (without ``record``) as a measurement record (step 'relation-answers': each prompt's
     continuation, right or wrong, the gold's rank and log-probability), keyed by the model, the prompts and

@@ -10,11 +10,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from lib import hooks, metrics, models
+from lib import metrics, models
 from lib.infra import cache, repro, store
 from lib.models import Loaded
 from lib.papers.relations.answers import PROTOCOLS, Protocol, _model_key, answer, measured_answers
 from lib.papers.relations.facts import Relation, TestSet, lre_facts, read_facts, split_by_id
+from lib.papers.relations.units import Units
 
 # ----------------------------------------------------------------------------- the study
 
@@ -65,7 +66,7 @@ class Study:
     protocol: Protocol
     sizes: Sizes
     seed: int
-    units: "hooks.Units"
+    units: "Units"
     k: int
     screen: pd.DataFrame  # one row per candidate relation: facts, templates, screened, correct, selected, reason
     relations: dict[str, Relation]  # the selected ones, sorted by name
@@ -193,7 +194,13 @@ def top_of(ap: torch.Tensor, tie: torch.Tensor, k: int) -> np.ndarray:
     return np.lexsort((np.arange(ap.numel()), -tie.double().numpy(), -ap.double().numpy()))[:k]
 
 
-def random_units(units: "hooks.Units", like, seed: int, exclude=None) -> np.ndarray:
+def item_values(df: pd.DataFrame, relation: str, what: str) -> np.ndarray:
+    """Column ``what`` of one relation's rows of a per-prompt frame (a test run's), in item order: the paired
+    values of two runs on the same test prompts line up."""
+    return df[df["relation"] == relation].sort_values("item")[what].to_numpy()
+
+
+def random_units(units: "Units", like, seed: int, exclude=None) -> np.ndarray:
     """As many random units as ``like``, the same number in each (site, layer) block, none of
     ``exclude`` (default ``like``): the layer-matched control of 11, 12 and 14. Sorted."""
     like = np.asarray(like, dtype=np.int64).reshape(-1)
@@ -252,7 +259,7 @@ def setup(model_name: str = "smollm2-135m", device: str = "auto", seed: int = 0,
     lm = lm or models.load(model_name, device=device)
     if not lm.info.is_causal:
         raise ValueError(f"relation recall needs a decoder; {model_name} is an encoder")
-    units = hooks.Units.of(lm, p.sites)
+    units = Units.of(lm, p.sites)
     k = sz.k if sz.k is not None else max(1, int(round(p.k_fraction * units.size)))
     if k > units.size:
         raise ValueError(f"k={k} exceeds the model's {units.size} units")

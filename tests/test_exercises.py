@@ -45,10 +45,6 @@ def exercises_of(nb) -> list[dict]:
     return found
 
 
-def only_defs(src: str) -> ast.Module:
-    return ast.parse(src)
-
-
 def functions(src: str) -> dict[str, ast.FunctionDef]:
     return {n.name: n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef)}
 
@@ -102,15 +98,15 @@ def test_every_exercise_asks_for_a_function_with_a_docstring(nb):
 
 @pytest.fixture(scope="module")
 def namespaces():
-    """Per notebook, the names its import cells define (the solutions' annotations and bodies read them)."""
+    """Per notebook, the names the import statements of its set-up cells define (the solutions' annotations and
+    bodies read them); nothing else of those cells runs."""
     out = {}
     for nb in NOTEBOOKS:
         ns = {}
         for c in json.loads(nb.read_text())["cells"][:5]:
-            if c["cell_type"] == "code":
-                tree = ast.parse(source(c))
-                if tree.body and all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in tree.body):
-                    exec(compile(tree, nb.name, "exec"), ns)
+            if c["cell_type"] == "code" and not source(c).lstrip().startswith("# On Colab"):
+                imports = [n for n in ast.parse(source(c)).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+                exec(compile(ast.Module(imports, []), nb.name, "exec"), ns)
         out[nb.name] = ns
     return out
 

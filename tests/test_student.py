@@ -121,16 +121,12 @@ def _statements(code: str) -> set[str]:
     return {ast.unparse(n) for n in ast.walk(ast.parse(code)) if isinstance(n, ast.stmt)}
 
 
-@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name[:2])
-def test_no_cell_of_a_student_copy_holds_a_solution(nb, tmp_path):
-    """Every statement of a worked solution's function bodies (beyond the shortest, such as ``return x``) is
-    missing from every cell of the student copy, check cells included; a check cell of the copy is one import
-    and one call of a check from lib/exercises, which holds the reference solution out of the student's view."""
+def _leaks(full: list, student: list) -> list[str]:
+    """Where a cell of a student copy holds a statement of a worked solution's function bodies (beyond the
+    shortest, such as ``return x``), or a check cell is more than one import and one call of a check."""
     import ast
     import re
 
-    (copy,) = runner.student_copies([nb], tmp_path)
-    full, student = json.loads(nb.read_text())["cells"], json.loads(copy.read_text())["cells"]
     answers = set()
     for c in full:
         if c["cell_type"] == "code" and runner.SOLUTION_TAG in tags(c):
@@ -138,12 +134,39 @@ def test_no_cell_of_a_student_copy_holds_a_solution(nb, tmp_path):
                 if isinstance(fn, ast.FunctionDef):
                     body = fn.body[1:] if ast.get_docstring(fn) else fn.body
                     answers |= {s for stmt in body for s in _statements(ast.unparse(stmt)) if len(s) >= 20}
-    assert answers, f"{nb.name}: no worked solution"
+    assert answers, "no worked solution"
+    found = []
     for i, c in enumerate(student):
         if c["cell_type"] != "code":
             continue
         leaked = answers & _statements(_code(c))
-        assert not leaked, f"{nb.name}, student cell {i}: {sorted(leaked)[:3]}"
+        if leaked:
+            found.append(f"cell {i}: {sorted(leaked)[:2]}")
         if "check" in tags(c):
             src = "\n".join(line for line in _code(c).splitlines() if not line.lstrip().startswith("#")).strip()
-            assert re.fullmatch(r"from lib\.exercises\.ex\d\d import (check_\w+)\n\n\1\(\w+\)", src), src
+            if not re.fullmatch(r"from lib\.exercises\.ex\d\d import (check_\w+)\n\n\1\(\w+\)", src):
+                found.append(f"cell {i}: a check cell that is not one check call")
+    return found
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name[:2])
+def test_no_cell_of_a_student_copy_holds_a_solution(nb, tmp_path):
+    """Every statement of a worked solution's function bodies (beyond the shortest) is missing from every cell of
+    the student copy, check cells included; a check cell of the copy is one import and one call of a check from
+    lib/exercises, which holds the reference solution out of the student's view."""
+    (copy,) = runner.student_copies([nb], tmp_path)
+    full, student = json.loads(nb.read_text())["cells"], json.loads(copy.read_text())["cells"]
+    assert not _leaks(full, student), f"{nb.name}: {_leaks(full, student)}"
+
+
+def test_the_leak_test_finds_an_answer_pasted_into_a_check(tmp_path):
+    """Planted: the tour's first worked solution pasted into its check cell, and an assert added to another."""
+    (copy,) = runner.student_copies([TOUR], tmp_path)
+    full, student = json.loads(TOUR.read_text())["cells"], json.loads(copy.read_text())["cells"]
+    assert not _leaks(full, student)
+    solution = next(c for c in full if runner.SOLUTION_TAG in tags(c) and c["cell_type"] == "code")
+    checks = [c for c in student if "check" in tags(c)]
+    checks[0]["source"] = _code(solution) + "\n" + _code(checks[0])
+    checks[1]["source"] = _code(checks[1]) + "\nassert True"
+    found = _leaks(full, student)
+    assert len(found) == 3 and "not one check call" in found[-1], found

@@ -97,7 +97,7 @@ student: $(STAMP) ## student copies in students/: solutions (tag solution) remov
 	$(PY) -m lib.runner student $(if $(NOTEBOOKS),--notebooks '$(NOTEBOOKS)')
 
 # Every student copy executed from the committed records up to its first check, which must fail with
-# NotImplementedError (the function is not written yet): about as long as running the notebooks, so not in make test.
+# NotImplementedError (the function is not written yet): about ten minutes on two cores, so not in make test.
 test-student: $(STAMP) $(KERNEL_CFG) ## run each student copy up to its first exercise's check (NOTEBOOKS=00,07)
 	HF_HUB_OFFLINE=1 $(PY) -m lib.runner student --run $(if $(NOTEBOOKS),--notebooks '$(NOTEBOOKS)')
 

@@ -14,6 +14,7 @@ any weights are read.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import importlib.metadata
@@ -442,11 +443,12 @@ def load(name: str = "smollm2-135m", device: str = "auto", dtype: Any = "auto", 
 
 
 def bridge(lm: Loaded):
-    """A TransformerLens 4 ``TransformerBridge`` over the same weights (hook names like
-    ``blocks.{L}.mlp.hook_out``). Shares the HF module; no second copy of the weights."""
-    from transformer_lens.model_bridge import TransformerBridge
+    """A TransformerLens 4 ``TransformerBridge`` over a copy of the same weights (hook names like
+    ``blocks.{L}.mlp.hook_out``). A copy, because the bridge replaces the attention modules of the model it wraps
+    and switches it to eager attention: ``lm`` itself stays as it was."""
+    from transformer_lens.model_bridge import TransformerBridge  # optional: only the tour and a test use it
 
-    return TransformerBridge.boot_transformers(str(lm.path or lm.spec.hub_id), hf_model=lm.model,
+    return TransformerBridge.boot_transformers(str(lm.path or lm.spec.hub_id), hf_model=copy.deepcopy(lm.model),
                                                tokenizer=lm.tokenizer, device=lm.device)
 
 

@@ -187,3 +187,5 @@ def test_points_equal_transformer_lens_run_with_cache_on_gpt2(tmp_path):
         lm.model(input_ids=enc["input_ids"])
     for n in sorted(wanted):
         torch.testing.assert_close(seen[n].float(), cache[n].float(), atol=1e-4, rtol=1e-4)
+    # the bridge wraps a copy: the model itself keeps its modules and its attention implementation
+    assert br.original_model is not lm.model and type(lm.model.transformer.h[0].attn).__module__.startswith("transformers")

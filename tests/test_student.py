@@ -1,5 +1,6 @@
-"""make student (lib.infra.runner.student_copies): solutions removed, outputs cleared, checks kept; a student
-copy runs up to its first exercise, and its first check fails until the student answers."""
+"""make student (lib.infra.runner.student_copies): solutions removed, outputs cleared, checks kept; no cell of a
+student copy holds a solution's code; a student copy runs up to its first exercise, and its first check fails
+until the student answers (the checks themselves: test_exercises.py)."""
 import json
 
 import pytest
@@ -32,13 +33,13 @@ def test_a_student_copy_runs_to_its_first_exercise_and_its_check_waits_for_an_an
     (copy,) = runner.student_copies([TOUR], tmp_path)
     nb = nbformat.read(copy, as_version=4)
     first = next(i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and "### Exercise" in c.source)
-    first_check = next(c for c in nb.cells[first:] if "check" in tags(c))
-    nb.cells = nb.cells[:first + 1] + [first_check]
+    first_check = next(i for i, c in enumerate(nb.cells) if i > first and "check" in tags(c))
+    nb.cells = nb.cells[:first_check + 1]
     NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=True,
                    resources={"metadata": {"path": str(paths.NOTEBOOKS)}}).execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert len(errors) == 1 and errors[0] in nb.cells[-1].outputs, [e.get("ename") for e in errors]
-    assert errors[0].ename == "NameError"  # the check reads the student's answer, which is not there yet
+    assert errors[0].ename == "NotImplementedError"  # the check calls the student's function, not written yet
 
 
 def _code(cell) -> str:
@@ -112,3 +113,60 @@ def test_a_student_copy_with_its_solutions_pasted_in_is_the_tested_notebook(nb, 
     key = lambda c: (c["cell_type"], "".join(c["source"]), tags(c))  # noqa: E731
     assert [key(c) for c in rebuilt] == [key(c) for c in full]
     assert any(runner.SOLUTION_TAG in tags(c) for c in full) == any("check" in tags(c) for c in full)
+
+
+def _statements(code: str) -> set[str]:
+    import ast
+
+    return {ast.unparse(n) for n in ast.walk(ast.parse(code)) if isinstance(n, ast.stmt)}
+
+
+def _leaks(full: list, student: list) -> list[str]:
+    """Where a cell of a student copy holds a statement of a worked solution's function bodies (beyond the
+    shortest, such as ``return x``), or a check cell is more than one import and one call of a check."""
+    import ast
+    import re
+
+    answers = set()
+    for c in full:
+        if c["cell_type"] == "code" and runner.SOLUTION_TAG in tags(c):
+            for fn in ast.parse(_code(c)).body:
+                if isinstance(fn, ast.FunctionDef):
+                    body = fn.body[1:] if ast.get_docstring(fn) else fn.body
+                    answers |= {s for stmt in body for s in _statements(ast.unparse(stmt)) if len(s) >= 20}
+    assert answers, "no worked solution"
+    found = []
+    for i, c in enumerate(student):
+        if c["cell_type"] != "code":
+            continue
+        leaked = answers & _statements(_code(c))
+        if leaked:
+            found.append(f"cell {i}: {sorted(leaked)[:2]}")
+        if "check" in tags(c):
+            src = "\n".join(line for line in _code(c).splitlines() if not line.lstrip().startswith("#")).strip()
+            if not re.fullmatch(r"from lib\.exercises\.ex\d\d import (check_\w+)\n\n\1\(\w+\)", src):
+                found.append(f"cell {i}: a check cell that is not one check call")
+    return found
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name[:2])
+def test_no_cell_of_a_student_copy_holds_a_solution(nb, tmp_path):
+    """Every statement of a worked solution's function bodies (beyond the shortest) is missing from every cell of
+    the student copy, check cells included; a check cell of the copy is one import and one call of a check from
+    lib/exercises, which holds the reference solution out of the student's view."""
+    (copy,) = runner.student_copies([nb], tmp_path)
+    full, student = json.loads(nb.read_text())["cells"], json.loads(copy.read_text())["cells"]
+    assert not _leaks(full, student), f"{nb.name}: {_leaks(full, student)}"
+
+
+def test_the_leak_test_finds_an_answer_pasted_into_a_check(tmp_path):
+    """Planted: the tour's first worked solution pasted into its check cell, and an assert added to another."""
+    (copy,) = runner.student_copies([TOUR], tmp_path)
+    full, student = json.loads(TOUR.read_text())["cells"], json.loads(copy.read_text())["cells"]
+    assert not _leaks(full, student)
+    solution = next(c for c in full if runner.SOLUTION_TAG in tags(c) and c["cell_type"] == "code")
+    checks = [c for c in student if "check" in tags(c)]
+    checks[0]["source"] = _code(solution) + "\n" + _code(checks[0])
+    checks[1]["source"] = _code(checks[1]) + "\nassert True"
+    found = _leaks(full, student)
+    assert len(found) == 3 and "not one check call" in found[-1], found

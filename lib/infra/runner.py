@@ -10,6 +10,8 @@
     python -m lib test             # make test: pytest on lib/ + nbval per notebook from the records, the audit
     python -m lib audit            # make audit: a seeded sample of the records measured again and compared
     python -m lib kernel-config    # quiet the kernel's "TCP without encryption" warning (make setup)
+    python -m lib student          # make student: student copies in students/ (solutions removed)
+    python -m lib student --run    # make test-student: each copy runs up to its first check
 
 Executed copies go to results/<model>/<notebook>.ipynb, wall time and peak memory to
 results/<model>/timings/<notebook>.json, figures to figures/<model>/ (written by the notebooks).
@@ -650,7 +652,9 @@ SOLUTION_TAG = "solution"  # worked solutions: removed from student copies (thei
 def student_copies(notebooks: list[Path], out_dir: Path) -> list[Path]:
     """Student copies of ``notebooks`` in ``out_dir`` (make student): nbconvert's TagRemovePreprocessor
     drops the cells tagged ``solution`` and ClearOutputPreprocessor every output, so a student runs the
-    notebook and answers the exercises; the check cells (tag ``check``) stay and test the answers."""
+    notebook and answers the exercises. Each exercise keeps its function's signature and docstring (the
+    cell under it) and its check cell (tag ``check``): ``check_<name>(<name>)`` from ``lib.exercises``,
+    which compares the student's function with the reference solution; no cell holds an answer."""
     from nbconvert.exporters import NotebookExporter
     from traitlets.config import Config
 
@@ -667,6 +671,42 @@ def student_copies(notebooks: list[Path], out_dir: Path) -> list[Path]:
         atomic_write_text(dest, body)
         written.append(dest)
     return written
+
+
+def student_first_checks(notebooks: list[Path], timeout: int = 1800) -> list[tuple[str, float, str]]:
+    """Each notebook's student copy executed (nbclient, from the committed records in strict mode, figures and
+    ledger records to a temporary folder) up to its first check cell, which must fail with NotImplementedError
+    (the student's function is not written yet) while every cell before it runs. Returns (notebook, seconds,
+    problem or '') per notebook (make test-student)."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    out = []
+    with tempfile.TemporaryDirectory(prefix="compendium-students-") as box:
+        env = {store.RECORDS_ENV: "strict", paths.OUTPUTS_ENV: str(Path(box) / "outputs"), **repro.quiet_env()}
+        saved = {k: os.environ.get(k) for k in [*env, paths.PUBLISH_ENV]}
+        os.environ.update(env)  # the kernel inherits this process's environment
+        os.environ.pop(paths.PUBLISH_ENV, None)
+        try:
+            for copy in student_copies(notebooks, Path(box) / "copies"):
+                nb = nbformat.read(copy, as_version=4)
+                first = next(i for i, c in enumerate(nb.cells) if "check" in c.get("metadata", {}).get("tags", []))
+                nb.cells = nb.cells[:first + 1]
+                t0 = time.perf_counter()
+                NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
+                               resources={"metadata": {"path": str(paths.NOTEBOOKS)}}).execute()
+                errors = [(i, o.ename) for i, c in enumerate(nb.cells) if c.cell_type == "code"
+                          for o in c.outputs if o.output_type == "error"]
+                problem = "" if errors == [(first, "NotImplementedError")] else f"errors (cell, name): {errors}"
+                out.append((copy.stem, time.perf_counter() - t0, problem))
+                print(f"{copy.stem}: {out[-1][1]:.0f} s" + (f", FAILED: {problem}" if problem else ""), flush=True)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    return out
 
 
 def claims(model_name: str, notebooks: list[str] | None = None) -> Path:
@@ -739,6 +779,8 @@ def main(argv: list[str] | None = None) -> None:
     su = sub.add_parser("student", help="student copies: solutions removed, outputs cleared, checks kept")
     su.add_argument("--notebooks", default=None, help="two-digit numbers, e.g. 00,07 (default: every numbered one)")
     su.add_argument("--out", default=str(paths.ROOT / "students"), help="folder for the copies (default: students/)")
+    su.add_argument("--run", action="store_true",
+                    help="instead of writing copies, run each copy up to its first check (make test-student)")
     sub.add_parser("kernel-config", help="install the kernel config that quiets the TCP warning into the venv")
     au = sub.add_parser("audit", help="recompute a seeded sample of the committed records and compare (make audit)")
     au.add_argument("--notebooks", default=None, help="only records built by these notebooks, e.g. 03,05")
@@ -756,8 +798,15 @@ def main(argv: list[str] | None = None) -> None:
         for line in recover(Path(args.workdir)):
             print(line)
     elif args.cmd == "student":
-        for path in student_copies(select_notebooks(args.notebooks), Path(args.out)):
-            print(path)
+        if args.run:
+            t0 = time.perf_counter()
+            report = student_first_checks(select_notebooks(args.notebooks))
+            print(f"{len(report)} student copies run to their first check: {time.perf_counter() - t0:.0f} s")
+            if any(problem for _, _, problem in report):
+                raise SystemExit(1)
+        else:
+            for path in student_copies(select_notebooks(args.notebooks), Path(args.out)):
+                print(path)
     elif args.cmd == "kernel-config":
         path = install_kernel_config()
         if path:

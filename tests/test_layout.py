@@ -98,3 +98,19 @@ def test_the_layout_test_sees_a_planted_violation(tmp_path):
     found = lib_imports(bad)
     assert ("lib.papers.relations", False) in found and ("lib.hooks", True) in found
     assert layer("lib.papers.dpo.probe") == "paper" and layer("lib.infra.store") == "infra"
+
+
+def test_no_module_hard_codes_the_notebooks_order():
+    """Which notebook needs which, and how long each runs, is the index's (config/notebooks.yaml): no lib code holds
+    a notebook number as a string constant (docstrings aside)."""
+    import re
+
+    found = []
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docs = {id(n.body[0].value) for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)) and n.body
+                and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        found += [f"{module}:{n.lineno} {n.value!r}" for n in ast.walk(tree) if isinstance(n, ast.Constant)
+                  and isinstance(n.value, str) and re.fullmatch(r"\d\d", n.value) and id(n) not in docs]
+    assert not found, found

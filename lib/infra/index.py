@@ -54,6 +54,12 @@ def test_seconds() -> dict[str, int | float]:
     return out
 
 
+def neutral(number: str) -> list[str]:
+    """The parameters of notebook ``number`` that choose how it runs, not what it computes (beyond every
+    notebook's model_name, device and device_map)."""
+    return list(_index()["notebooks"].get(str(number)[:2], {}).get("neutral", []))
+
+
 def numbered_notebooks() -> list[Path]:
     return sorted(p for p in paths.NOTEBOOKS.glob("*.ipynb") if NUMBERED.match(p.name))
 

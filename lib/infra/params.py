@@ -42,16 +42,13 @@ from pathlib import Path
 from lib.infra import index, paths
 from lib.infra.cache import atomic_write_text
 
-# Parameters that choose how a run executes, not what it computes: a run that differs from the
-# published settings only in these is still the published run. name -> notebooks (number prefixes,
-# "*" for every notebook) where that holds.
-NEUTRAL: dict[str, tuple[str, ...]] = {
-    "model_name": ("*",),  # every model has its own published run: its folder is results/<model>/
-    "device": ("*",),  # where it runs (cpu, cuda)
-    "device_map": ("*",),  # how params/<model>.yaml spreads a large model over the GPUs
-    # prompts or texts per forward pass (padding is masked; the greedy continuations are the same);
-    # in 08-10 batch_size is the training batch and changes the results
-    "batch_size": ("07", "11", "12", "13", "14"),
+# Parameters that choose how a run executes, not what it computes, in every notebook: a run that differs from the
+# published settings only in these (and in its notebook's own, config/notebooks.yaml's `neutral`) is still the
+# published run.
+NEUTRAL = {
+    "model_name": "every model has its own published run: its folder is results/<model>/",
+    "device": "where it runs (cpu, cuda)",
+    "device_map": "how params/<model>.yaml spreads a large model over the GPUs",
 }
 
 _LITERAL = (str, int, float, bool, type(None), list, dict, tuple)
@@ -104,8 +101,8 @@ def current() -> Run | None:
 
 
 def neutral(notebook: str) -> set[str]:
-    """The NEUTRAL names that hold for ``notebook``."""
-    return {n for n, where in NEUTRAL.items() if "*" in where or notebook[:2] in where}
+    """The names that choose how ``notebook`` runs, not what it computes: :data:`NEUTRAL` and its own (the index)."""
+    return set(NEUTRAL) | set(index.neutral(notebook[:2]))
 
 
 def check(namespace: dict, notebook: str, bounds: dict | None = None, registry_name: str | None = None) -> Run:

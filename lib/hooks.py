@@ -280,7 +280,6 @@ def position_mask(attention_mask: torch.Tensor, mode: str = "all", k: int | None
     return m * (idx >= start).float()
 
 
-
 # ----------------------------------------------------------------------------- MLP recording
 
 
@@ -548,7 +547,6 @@ def _edit(x: torch.Tensor, sel, prepared: dict) -> None:
         x[:, sel] = part
 
 
-
 @contextlib.contextmanager
 def intervene(lm: Loaded, table, positions: str | Sequence[int] | None = None):
     """Edit neurons (at ``blocks.{L}.mlp.hook_post``) while the block is active: forward passes and
@@ -625,7 +623,6 @@ def hooked(lm: Loaded) -> bool:
     if not getattr(lm, "is_loaded", True):  # a models.LazyLoaded whose weights are not read yet: nothing hooks them
         return False
     return any(m._forward_pre_hooks or m._forward_hooks for m in lm.model.modules())
-
 
 
 def cache_argument(model) -> str:

@@ -13,7 +13,6 @@ from lib.models import Loaded
 from lib.papers.dpo.sizes import Sizes
 
 
-
 def toxicity_perplexity_f1(lm: Loaded, n_prompts: int = Sizes.n_prompts, n_wiki: int = Sizes.n_wiki,
                            max_new_tokens: int = Sizes.max_new_tokens,
                            batch_size: int = metrics.GENERATE_BATCH_SIZE, scorer: str = "auto",
@@ -326,8 +325,6 @@ def _evaluate_each(lm: Loaded, tables: list, *, n_prompts: int, n_wiki: int, max
             out.append({"toxicity": float(np.mean(tox)), "scorer": name, "n_prompts": len(chosen),
                         "toxicities": [float(t) for t in tox], "continuations": list(g.continuations)})
     return out
-
-
 
 
 def dpo_lowered_toxicity(dpo_minus_base) -> verdict.Precondition:

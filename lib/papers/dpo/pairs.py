@@ -15,7 +15,6 @@ from lib.papers.dpo.probe import Probe
 from lib.papers.dpo.sizes import Sizes
 
 
-
 def steered_generate(lm: Loaded, prompts: Sequence[str], vector: torch.Tensor, layers: Sequence[int],
                      **kw) -> metrics.Generations:
     """Greedy continuations with ``vector`` [d_model] added to the residual stream after the

@@ -21,8 +21,6 @@ NONTOXIC_WORDS = ("hello", "thanks", "friend", "peace", "welcome")
 PROBE_FEATURE_LAYER = "final"  # the residual stream after the final norm (lib.hooks.residual_point)
 
 
-
-
 @dataclass
 class Probe:
     direction: torch.Tensor  # [d_model] float32 cpu: LogisticRegression coef_ (bias dropped)

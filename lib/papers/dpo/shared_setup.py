@@ -17,7 +17,6 @@ from lib.papers.dpo.sizes import Sizes
 from lib.papers.dpo.training import base_and_dpo
 
 
-
 @dataclass
 class Setup:
     """Everything notebooks 02-06 share for one model (built by :func:`setup`; models by :meth:`load`)."""

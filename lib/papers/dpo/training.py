@@ -24,7 +24,6 @@ from lib.papers.dpo.probe import Probe, train_probe
 from lib.papers.dpo.sizes import TRAINING_KEYS, Sizes
 
 
-
 def _log_frame(history: list[dict]) -> pd.DataFrame:
     rows = [{"step": int(h["step"]), "loss": float(h["loss"]), "reward_margin": float(h.get("rewards/margins", np.nan)),
              "reward_accuracy": float(h.get("rewards/accuracies", np.nan)),

@@ -802,3 +802,28 @@ def test_setup_references_are_the_shared_cached_evaluations(llama, monkeypatch):
     ref = dpo_neurons.reference_evaluations("smollm2-135m", llama, llama, a.dpo_key, dpo.toxicity_perplexity_f1, **explicit)
     assert sorted(store.root().rglob("toxicity-perplexity-f1/*.json*")) == entries  # the explicit call reads the same record
     assert ref["base"]["continuations"] == ev_base["continuations"] and len(ev_dpo["toxicities"]) == 2
+    table = a.reference_table(ev_base, ev_dpo)  # one row per model, the per-prompt details left out
+    assert list(table["model"]) == ["base", "DPO"] and "toxicities" not in table and table["n_prompts"].tolist() == [2, 2]
+    # the checks every model's evaluation must pass: a planted out-of-range toxicity fails references()
+    bad = {"base": {**ev_base, "toxicity": 1.5}, "tuned": ev_dpo}
+    monkeypatch.setattr(dpo_neurons, "reference_evaluations", lambda *args, **kw: bad)
+    with pytest.raises(AssertionError, match="base evaluation is out of range"):
+        a.references()
+
+
+def test_setup_mean_activations_checks_shapes_and_finiteness(llama, monkeypatch, capsys):
+    """mean_activations() returns both models' means and reports them; a NaN or a wrong shape is an error."""
+    monkeypatch.setattr(dpo_setup, "base_and_dpo", lambda model_name, device, seed, progress, **s:
+                        (llama, llama, dpo.Probe(torch.ones(llama.info.d_model), 0.0, 0.9, 0.8, 10)))
+    a = dpo.setup("smollm2-135m", "cpu", 0, direction=None).load(progress=False)
+    shape = (llama.info.n_layers, llama.info.d_mlp)
+    act = {"base": torch.zeros(shape), "tuned": torch.ones(shape), "count": {"base": 3, "tuned": 4}}
+    monkeypatch.setattr(a, "activations", lambda *args, **kw: act)
+    m_base, m_dpo, got = a.mean_activations()
+    assert torch.equal(m_dpo, act["tuned"]) and got is act and "shapes and finiteness: ok" in capsys.readouterr().out
+    act["tuned"] = torch.full(shape, float("nan"))
+    with pytest.raises(AssertionError, match="not finite"):
+        a.mean_activations()
+    act["tuned"] = torch.ones(shape[0], shape[1] + 1)
+    with pytest.raises(AssertionError, match="expected"):
+        a.mean_activations()

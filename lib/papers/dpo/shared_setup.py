@@ -129,10 +129,10 @@ class Setup:
                                      f"{ev['perplexity']}, F1 {ev['f1']}")
         return ref["base"], ref["tuned"]
 
-    def reference_table(self) -> pd.DataFrame:
-        """The base and DPO evaluations of :meth:`references`, one row each, without their per-prompt details."""
+    @staticmethod
+    def reference_table(ev_base: dict, ev_dpo: dict) -> pd.DataFrame:
+        """The base and DPO evaluations (:meth:`references`), one row each, without their per-prompt details."""
         summary = ["toxicity", "perplexity", "f1", "scorer", "n_prompts", "n_wiki"]
-        ev_base, ev_dpo = self.references()
         return pd.DataFrame([{"model": "base", **{k: ev_base[k] for k in summary}},
                              {"model": "DPO", **{k: ev_dpo[k] for k in summary}}])
 

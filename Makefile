@@ -61,9 +61,9 @@ reproduce: $(STAMP) $(KERNEL_CFG) ## run the notebooks through Snakemake (MODEL=
 workflow-dry-run: $(STAMP) ## list every notebook x model job of the full grid (nothing runs)
 	$(VENV)/bin/snakemake -n --forceall --config run=all
 
-# `make test` runs pytest on lib/ and nbval on each notebook as separate jobs, WORKERS at a time (default:
-# COMPENDIUM_THREADS, 2 unless set; each job gets COMPENDIUM_THREADS / WORKERS threads, a job that starts alone
-# all of them), a notebook only after the notebooks whose cached artifacts it reuses (lib/infra/runner.py: NEEDS, TEST_AFTER).
+# `make test` runs pytest on lib/ and nbval on each notebook as the jobs of a Snakemake workflow (tests/Snakefile),
+# WORKERS at a time (default: COMPENDIUM_THREADS, 2 unless set; each job gets COMPENDIUM_THREADS / WORKERS threads),
+# a notebook only after the notebooks whose cached artifacts it reuses (config/notebooks.yaml: needs, test_after).
 WORKERS ?=
 # The notebooks run in strict mode: they read the committed records and compute none (a missing one is an error
 # naming the command that builds it); a seeded sample of those records is recomputed and compared (the audit).

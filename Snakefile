@@ -32,23 +32,13 @@ PY = shlex.quote(sys.executable)  # the Python that runs Snakemake (the compendi
 NB_DIR = Path(config.get("notebooks_dir", ROOT / "notebooks")).resolve()
 PARAMS_DIR = ROOT / "params"
 
-# Which notebook's executed copy (and so its cached artifacts) each notebook needs, by number: the index
-# config/notebooks.yaml (lib.infra.index), which `make test` reads too.
-NEEDS = index.needs()
-
 NUMBERED = re.compile(r"^(\d\d)_[a-z0-9_]+$")
 NOTEBOOKS = {p.stem: p for p in sorted(NB_DIR.glob("*.ipynb")) if NUMBERED.match(p.stem)}
 BY_NUMBER = {stem[:2]: stem for stem in NOTEBOOKS}
-
-
-def needs(number):
-    """Numbers of the existing notebooks ``number`` depends on; a missing notebook is replaced by
-    what it would itself need, so the order survives notebooks that are not written yet."""
-    out = set()
-    for d in NEEDS.get(number, []):
-        out |= {d} if d in BY_NUMBER else set(needs(d))
-    return sorted(out)
-
+# Which notebooks' executed copies (and so their cached artifacts) each notebook needs, by number: the index
+# config/notebooks.yaml (lib.infra.index), which `make test` (tests/Snakefile) reads too. A notebook not written yet
+# is replaced by what it would itself need.
+WAITS = index.waits(sorted(BY_NUMBER))
 
 # ----------------------------------------------------------------------------- the grid
 
@@ -183,7 +173,7 @@ rule notebook:
     input:
         notebook=lambda wc: NOTEBOOKS[wc.nb],
         weights=ancient("results/{model}/model_dir.txt"),  # fetched once; not a reason to re-run
-        needs=lambda wc: [] if ONLY else [f"results/{wc.model}/{BY_NUMBER[d]}.ipynb" for d in needs(wc.nb[:2])],
+        needs=lambda wc: [] if ONLY else [f"results/{wc.model}/{BY_NUMBER[d]}.ipynb" for d in WAITS[wc.nb[:2]]],
         params=lambda wc: [str(p) for p in [PARAMS_DIR / f"{wc.model}.yaml"] if p.exists()],
     output:
         "results/{model}/{nb}.ipynb",

@@ -480,17 +480,27 @@ def test_executions_turn_bars_off():
     assert src.count("repro.quiet_env()") >= 3  # lib.infra.runner run, stability and test
 
 
-# ----------------------------------------------------------------------------- make test's scheduler
+# ----------------------------------------------------------------------------- make test (tests/Snakefile)
 
 
-def test_test_graph_follows_needs_and_skips_missing_notebooks():
-    g = runner.test_graph(["tests", "01", "02", "03", "05", "07", "08", "10"])
+def test_waits_follow_the_index_and_skip_missing_notebooks():
+    g = index.waits(["tests", "01", "02", "03", "05", "07", "08", "10"], tests=True)
     assert g["05"] == ["03"] and g["03"] == ["01"] and g["10"] == ["07", "08"] and g["tests"] == [] and g["01"] == []
-    assert runner.test_graph(["01", "04"])["04"] == ["01"]  # 02 and 03 absent: 04 waits for what they need
-    prio = runner.test_order(runner.test_graph(["01", "02", "03", "11"]), {"01": 1, "02": 5, "03": 1, "11": 6})
+    assert index.waits(["07", "08", "10"])["10"] == ["08"]  # test_after orders make test only
+    assert index.waits(["01", "04"])["04"] == ["01"]  # 02 and 03 absent: 04 waits for what they need
+    prio = index.chain_seconds(index.waits(["01", "02", "03", "11"]), {"01": 1, "02": 5, "03": 1, "11": 6})
     assert prio == {"01": 6.0, "02": 5.0, "03": 1.0, "11": 6.0}  # weight + heaviest chain that waits for it
     with pytest.raises(ValueError, match="cycle"):
-        runner.test_order({"a": ["b"], "b": ["a"]}, {})
+        index.chain_seconds({"a": ["b"], "b": ["a"]}, {})
+
+
+def test_make_test_and_make_reproduce_share_one_engine():
+    """Both workflows are Snakemake files that take their order from the index; the runner keeps no scheduler."""
+    src = Path(runner.__file__).read_text()
+    assert runner.TEST_WORKFLOW == paths.ROOT / "tests" / "Snakefile"
+    assert "def _schedule" not in src and "def test_order" not in src
+    for wf in (paths.ROOT / "Snakefile", paths.ROOT / "tests" / "Snakefile"):
+        assert "index.waits(" in wf.read_text()
 
 
 def test_run_tests_order_workers_threads_and_failures(tmp_path, monkeypatch, capsys):
@@ -578,18 +588,17 @@ def test_make_test_fails_when_a_job_changes_the_work_tree(tmp_path, monkeypatch,
     assert runner.tree_state(tmp_path / "not-a-repo") is None
 
 
-def test_run_tests_gives_a_lone_job_every_thread(tmp_path, monkeypatch):
-    """A job that starts with nothing running or ready beside it (a chain: 12 waits for 11; 01, which 02
-    and 03 wait for) gets all COMPENDIUM_THREADS; jobs that start together get COMPENDIUM_THREADS // workers each."""
+def test_run_tests_shares_the_threads_among_the_workers(tmp_path, monkeypatch):
+    """Each job gets COMPENDIUM_THREADS // workers threads: two workers on 2 threads run two jobs at one thread each,
+    one worker runs one job at a time with both."""
     monkeypatch.setenv("COMPENDIUM_THREADS", "2")
-    script = "import os, sys, time; time.sleep(0.2); print('threads', os.environ['COMPENDIUM_THREADS'])"
-    threads = lambda logs, j: (logs / f"{j}.log").read_text().split()[-1]
-    runner.run_tests(["11", "12"], workers=2, log_dir=tmp_path / "chain", command=lambda j: [sys.executable, "-c", script])
-    assert [threads(tmp_path / "chain", j) for j in ("11", "12")] == ["2", "2"]
-    runner.run_tests(["01", "02", "03"], workers=2, log_dir=tmp_path / "fan", command=lambda j: [sys.executable, "-c", script])
-    assert [threads(tmp_path / "fan", j) for j in ("01", "02", "03")] == ["2", "1", "1"]  # 02 beside 03
-    runner.run_tests(["01", "11"], workers=2, log_dir=tmp_path / "pair", command=lambda j: [sys.executable, "-c", script])
-    assert [threads(tmp_path / "pair", j) for j in ("01", "11")] == ["1", "1"]
+    script = "import os; print('threads', os.environ['COMPENDIUM_THREADS'])"
+    threads = lambda logs, j: (logs / f"{j}.log").read_text().split()[-1]  # noqa: E731
+    for workers, want in ((2, "1"), (1, "2")):
+        logs = tmp_path / f"w{workers}"
+        runner.run_tests(["11", "12"], workers=workers, log_dir=logs, command=lambda j: [sys.executable, "-c", script],
+                         audit_budget=None, root=tmp_path)
+        assert [threads(logs, j) for j in ("11", "12")] == [want, want]
 
 
 def test_clean_results_never_deletes_a_tracked_file():

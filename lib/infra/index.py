@@ -1,8 +1,8 @@
 """The numbered notebooks' index (config/notebooks.yaml): which notebook needs which, and how long each test job
 takes; and what a notebook declares about itself (its parameters cell, read without running it).
 
-The runner (`make test`), the Snakefile (`make reproduce`) and the site read the order from here; no other
-module lists it.
+Both workflows read the order from here, the Snakefile (`make reproduce`) and tests/Snakefile (`make test`), and
+so does the site; no other module lists it.
 """
 from __future__ import annotations
 
@@ -44,6 +44,45 @@ def needs() -> dict[str, list[str]]:
 def test_after() -> dict[str, list[str]]:
     """number -> extra order for `make test` only (artifacts shared across models)."""
     return {k: list(v["test_after"]) for k, v in _index()["notebooks"].items() if v.get("test_after")}
+
+
+def waits(names, tests: bool = False) -> dict[str, list[str]]:
+    """{name: the names among ``names`` it waits for}: the index's ``needs`` (and, with ``tests``, ``test_after``,
+    an order for `make test` only), restricted to ``names``. A notebook outside ``names`` is replaced by what it
+    would itself wait for, so the order survives a selection (02 and 03 absent: 04 waits for 01). Names the index
+    does not list (the pytest job 'tests') wait for nothing."""
+    have = set(names)
+    edges = needs()
+    if tests:
+        for k, v in test_after().items():
+            edges[k] = edges.get(k, []) + v
+
+    def deps(n, seen=()):
+        out = set()
+        for d in edges.get(n, []):
+            if d in seen:
+                raise ValueError(f"{INDEX.name}: notebooks wait for each other in a cycle: {' -> '.join((*seen, n, d))}")
+            out |= {d} if d in have else deps(d, (*seen, n))
+        return out
+
+    return {n: sorted(deps(n)) for n in names}
+
+
+def chain_seconds(graph: dict[str, list[str]], weights: dict[str, float] | None = None) -> dict[str, float]:
+    """Each job's test seconds plus those of the heaviest chain of jobs that wait for it (its critical path in
+    ``graph``, as :func:`waits` returns it): the priority with which `make test` starts the long chains first."""
+    weights = test_seconds() if weights is None else weights
+    after = {n: [m for m, ds in graph.items() if n in ds] for n in graph}
+    memo: dict[str, float] = {}
+
+    def rank(n, stack=()):
+        if n in stack:
+            raise ValueError(f"the jobs wait for each other in a cycle: {' -> '.join((*stack, n))}")
+        if n not in memo:
+            memo[n] = float(weights.get(n, DEFAULT_TEST_S)) + max((rank(m, (*stack, n)) for m in after[n]), default=0.0)
+        return memo[n]
+
+    return {n: rank(n) for n in graph}
 
 
 def test_seconds() -> dict[str, int | float]:

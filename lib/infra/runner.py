@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import shlex
 import signal
 import subprocess
 import sys
@@ -423,42 +424,7 @@ def _stability_runs(notebooks: list[Path], threads: tuple[int, ...], fresh_cache
     return report
 
 
-# ----------------------------------------------------------------------------- make test: a scheduler
-
-
-def test_graph(names: list[str]) -> dict[str, list[str]]:
-    """{job: the jobs it waits for} for `make test`'s jobs: notebook numbers ('00'..) and 'tests'.
-    Edges are the index's ``needs`` and ``test_after`` (config/notebooks.yaml), restricted to ``names``; a missing notebook is replaced by what it
-    would itself need (as in the Snakefile), so the order survives a selection."""
-    have = set(names)
-    needs, after = index.needs(), index.test_after()
-
-    def deps(n, seen=()):
-        out = set()
-        for d in needs.get(n, []) + after.get(n, []):
-            if d in seen:
-                continue
-            out |= {d} if d in have else deps(d, (*seen, n))
-        return out
-
-    return {n: sorted(deps(n)) for n in names}
-
-
-def test_order(graph: dict[str, list[str]], weights: dict[str, float] | None = None) -> dict[str, float]:
-    """Each job's priority: its weight plus the heaviest chain of jobs that wait for it (critical
-    path), so the long chains start first. Raises on a cycle."""
-    weights = index.test_seconds() if weights is None else weights
-    after = {n: [m for m, ds in graph.items() if n in ds] for n in graph}
-    memo: dict[str, float] = {}
-
-    def rank(n, stack=()):
-        if n in stack:
-            raise ValueError(f"the test jobs depend on each other in a cycle: {' -> '.join((*stack, n))}")
-        if n not in memo:
-            memo[n] = float(weights.get(n, index.DEFAULT_TEST_S)) + max((rank(m, (*stack, n)) for m in after[n]), default=0.0)
-        return memo[n]
-
-    return {n: rank(n) for n in graph}
+# ----------------------------------------------------------------------------- make test (tests/Snakefile)
 
 
 def test_command(job: str) -> list[str]:
@@ -497,17 +463,19 @@ def tree_changes(before: str | None, after: str | None) -> list[str]:
     return sorted(b - a) + [f"(no longer) {line}" for line in sorted(a - b)]
 
 
+TEST_WORKFLOW = paths.ROOT / "tests" / "Snakefile"
+
+
 def run_tests(jobs: list[str], workers: int | None = None, log_dir: Path | None = None,
               command=test_command, audit_budget: float | None = AUDIT_BUDGET_S,
               root: Path = paths.ROOT) -> dict[str, tuple[int, float]]:
-    """Run the test jobs (notebook numbers, 'tests') in ``workers`` processes at once, each with
-    COMPENDIUM_THREADS = total // workers (total: COMPENDIUM_THREADS, 2 unless set; workers default to
-    it), a job only after the jobs it waits for (:func:`test_graph`), the longest chain first. A job
-    that starts alone, with nothing else running or ready (every job still waiting then waits for it,
-    as 02 does for 01), gets all ``total`` threads, so the cores do not idle along a chain.
-    Returns {job: (exit code, seconds)}. Each job's output goes to <log_dir>/<job>.log and is printed
-    whole when the job fails. Every notebook's key numbers print the same at 1 and 2 threads (make
-    test-stability), so the split changes how long the tests take, not what they check.
+    """Run the test jobs (notebook numbers, 'tests') through Snakemake (tests/Snakefile), ``workers`` at once, each
+    with COMPENDIUM_THREADS = total // workers (total: COMPENDIUM_THREADS, 2 unless set; workers default to it), a
+    notebook only after the notebooks it waits for (config/notebooks.yaml's ``needs`` and ``test_after``), the
+    longest chain first. A failing job does not stop the others, nor the jobs that wait for it.
+    Returns {job: (exit code, seconds)}. Each job's output goes to <log_dir>/<job>.log and is printed whole when
+    the job fails. Every notebook's key numbers print the same at 1 and 2 threads (make test-stability), so the
+    split changes how long the tests take, not what they check.
 
     The notebooks run in strict mode (``COMPENDIUM_RECORDS=strict``): they read the committed measurement
     records and compute none; a missing record fails its notebook, naming the command that builds it. With
@@ -520,14 +488,12 @@ def run_tests(jobs: list[str], workers: int | None = None, log_dir: Path | None 
     jobs differs from before (a tracked file changed, or a file appeared outside the ignored paths)."""
     total = repro.env_threads()
     workers = total if workers is None else workers
-    if not isinstance(workers, int) or workers < 1:
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
     threads = max(1, total // workers)
-    graph = test_graph(jobs)
-    prio = test_order(graph)
     log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="compendium-test-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **repro.quiet_env(), "COMPENDIUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1",
+    env = {**os.environ, **repro.quiet_env(), "HF_HUB_OFFLINE": "1",
            store.RECORDS_ENV: "strict", paths.OUTPUTS_ENV: str(log_dir / "outputs")}
     plan_doc = None
     notebooks = [j for j in jobs if j != "tests"]
@@ -540,19 +506,33 @@ def run_tests(jobs: list[str], workers: int | None = None, log_dir: Path | None 
         print(f"audit: {len(plan_doc['records'])} records to recompute (seed {plan_doc['seed'][:12]}, about "
               f"{plan_doc['estimate_s']:.0f} s recorded), in notebooks {', '.join(n[:2] for n in plan_doc['notebooks']) or 'none'}",
               flush=True)
+    for j in jobs:  # what a previous run in this folder left would read as this run's result
+        for suffix in (".rc", ".log", ".time"):
+            (log_dir / f"{j}{suffix}").unlink(missing_ok=True)
+    config = {"commands": {j: shlex.join(command(j)) for j in jobs}, "threads": threads, "cwd": str(paths.ROOT)}
+    atomic_write_text(log_dir / "test-jobs.json", json.dumps(config, indent=1) + "\n")
     print(f"{len(jobs)} test jobs, {workers} at a time, COMPENDIUM_THREADS={threads} each; logs in {log_dir}",
           flush=True)
-    pending, running, done = set(jobs), {}, {}
     tree_before = tree_state(root)
     t_all = time.perf_counter()
-    try:
-        _schedule(pending, running, done, graph, prio, workers, log_dir, env, command, t_all, total)
-    finally:  # an interrupt (or an error here) stops the jobs still running
-        for proc, log, _ in running.values():
-            proc.terminate()
-            proc.wait()
-            log.close()
+    snakemake = [sys.executable, "-m", "snakemake", "--snakefile", str(TEST_WORKFLOW), "--directory", str(log_dir),
+                 "--configfile", str(log_dir / "test-jobs.json"), "--cores", str(threads * workers),
+                 "--quiet", "rules", "--nolock"]
+    proc = subprocess.run(snakemake, env=env)
     wall = time.perf_counter() - t_all
+    done = {}
+    for j in jobs:
+        rc_file, time_file = log_dir / f"{j}.rc", log_dir / f"{j}.time"
+        rc = int(rc_file.read_text().strip() or 1) if rc_file.exists() else None
+        secs = float(time_file.read_text().splitlines()[1].split("\t")[0]) if time_file.exists() else 0.0
+        if rc is None:  # the workflow itself failed before this job ran
+            done[j] = (proc.returncode or 1, 0.0)
+            print(f"{j} did not run (Snakemake exit {proc.returncode})", flush=True)
+            continue
+        done[j] = (rc, secs)
+        print(f"{j} {'passed' if rc == 0 else f'FAILED (exit {rc})'} in {secs:.0f} s", flush=True)
+        if rc != 0:
+            print((log_dir / f"{j}.log").read_text(), flush=True)
     busy = sum(t for _, t in done.values())
     if plan_doc is not None and plan_doc["records"]:  # nothing committed to audit: no audit job
         ok, text = store.audit_report(plan_doc, log_dir / "audit.jsonl")
@@ -567,36 +547,6 @@ def run_tests(jobs: list[str], workers: int | None = None, log_dir: Path | None 
     print(f"all {len(done)} jobs in {wall:.0f} s ({busy:.0f} s of job time, {busy / max(wall, 1e-9):.2f} jobs at once on average)",
           flush=True)
     return done
-
-
-def _schedule(pending, running, done, graph, prio, workers, log_dir, env, command, t_all, total):
-    while pending or running:
-        ready = sorted((j for j in pending if all(d in done for d in graph[j])), key=lambda j: (-prio[j], j))
-        while ready and len(running) < workers:
-            j = ready.pop(0)
-            pending.discard(j)
-            # alone: nothing runs and nothing else is ready, so (the graph being acyclic) every job still
-            # pending waits for j, and no job can start beside it: it gets every thread
-            alone = not running and not ready
-            job_env = {**env, "COMPENDIUM_THREADS": str(total)} if alone else env
-            log = open(log_dir / f"{j}.log", "w")
-            running[j] = (subprocess.Popen(command(j), cwd=paths.ROOT, env=job_env, stdout=log,
-                                           stderr=subprocess.STDOUT), log, time.perf_counter())
-            if alone and total != int(env["COMPENDIUM_THREADS"]):
-                print(f"[{time.perf_counter() - t_all:6.0f} s] {j} starts alone: COMPENDIUM_THREADS={total}", flush=True)
-        if not running:  # cannot happen with an acyclic graph; guards a bad selection
-            raise RuntimeError(f"test jobs {sorted(pending)} wait for jobs that never run")
-        time.sleep(0.5)
-        for j, (proc, log, t0) in list(running.items()):
-            if proc.poll() is None:
-                continue
-            log.close()
-            done[j] = (proc.returncode, time.perf_counter() - t0)
-            del running[j]
-            word = "passed" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"
-            print(f"[{time.perf_counter() - t_all:6.0f} s] {j} {word} in {done[j][1]:.0f} s", flush=True)
-            if proc.returncode != 0:
-                print((log_dir / f"{j}.log").read_text(), flush=True)
 
 
 # ----------------------------------------------------------------------------- make audit

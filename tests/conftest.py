@@ -12,7 +12,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 import tempfile  # noqa: E402
 
 from lib import models  # noqa: E402
-from lib.infra import params, paths, store
+from lib.infra import paths, store
 
 # The measurement store of the tests: never the repository's results/, never make test's strict mode or audit
 # (module-scoped fixtures write here; each test gets an empty store of its own, see below)
@@ -25,10 +25,10 @@ os.environ[paths.OUTPUTS_ENV] = tempfile.mkdtemp(prefix="compendium-test-outputs
 
 @pytest.fixture(autouse=True)
 def own_store(tmp_path, monkeypatch):
-    """Each test: an empty measurement store (COMPENDIUM_STORE), records computed as needed ('use'), no run current."""
+    """Each test: an empty measurement store (COMPENDIUM_STORE), records computed as needed ('use'), no notebook named."""
     monkeypatch.setenv(store.STORE_ENV, str(tmp_path / "store"))
     monkeypatch.delenv(store.RECORDS_ENV, raising=False)
-    monkeypatch.setattr(params, "_CURRENT", None)
+    monkeypatch.delenv(store.NOTEBOOK_ENV, raising=False)
     return tmp_path / "store"
 
 FAMILIES = list(models.FAMILIES)

@@ -114,3 +114,12 @@ def test_no_module_hard_codes_the_notebooks_order():
         found += [f"{module}:{n.lineno} {n.value!r}" for n in ast.walk(tree) if isinstance(n, ast.Constant)
                   and isinstance(n.value, str) and re.fullmatch(r"\d\d", n.value) and id(n) not in docs]
     assert not found, found
+
+
+def test_no_module_global_decides_where_outputs_go():
+    """Figures and ledger records go where the notebook's run says (plotting.save(fig, run, ...),
+    results.record(run, ...)); measurement records to the measured model's own folder (Loaded.records_name).
+    No module keeps a current run."""
+    from lib.infra import params, store
+
+    assert not hasattr(params, "current") and not hasattr(params, "_CURRENT") and not hasattr(store, "owner")

@@ -32,11 +32,6 @@ batch_size: int = 4  # per forward pass
 '''
 
 
-@pytest.fixture(autouse=True)
-def _no_current_run(monkeypatch):
-    monkeypatch.setattr(params, "_CURRENT", None)  # no run leaks into other tests
-
-
 @pytest.fixture
 def tiny(tmp_path, monkeypatch):
     """A small notebook (as 11_tiny and 08_tiny) in a scratch project: setup, parameters, check, more."""
@@ -91,7 +86,7 @@ def test_defaults_are_the_published_run(tiny):
     ns = execute_to_check("11_tiny", {"model_name": "tiny-model"})
     run = ns["run"]
     assert run.published and run.key == "" and run.overrides == {}
-    assert run.values["tasks"] == ["SST-2", "LM"] and run.notebook == "11_tiny" and params.current() is run
+    assert run.values["tasks"] == ["SST-2", "LM"] and run.notebook == "11_tiny"
     assert run.results_dir() == tiny / "results" / "tiny-model" and run.figures_dir() == tiny / "figures" / "tiny-model"
 
 
@@ -193,7 +188,7 @@ def test_a_default_run_that_does_not_publish_writes_to_its_run_folder(tiny, monk
     assert not run.published and run.key == "default" and run.overrides == {}
     assert "make reproduce NOTEBOOKS=08 publishes" in capsys.readouterr().out
     fig = plt.figure()
-    path = plotting.save(fig, "tiny-model", "08_demo")
+    path = plotting.save(fig, run, "08_demo")
     assert path == tiny / "results" / "tiny-model" / "runs" / "default" / "figures" / "08_demo.png"
     assert not (tiny / "figures" / "tiny-model").exists() or not any((tiny / "figures" / "tiny-model").iterdir())
     plt.close(fig)
@@ -204,12 +199,12 @@ def test_plotting_save_of_an_adhoc_run_goes_to_its_run_folder(tiny):
 
     fig = plt.figure()
     run = execute_to_check("08_tiny", {"n_texts": 3})["run"]
-    path = plotting.save(fig, "tiny-model", "08_demo")
+    path = plotting.save(fig, run, "08_demo")
     assert path == tiny / "results" / "tiny-model" / "runs" / run.key / "figures" / "08_demo.png" and path.exists()
     assert not (tiny / "figures" / "tiny-model" / "08_demo.png").exists()
     assert plotting.save(fig, "another-model", "08_demo") == tiny / "figures" / "another-model" / "08_demo.png"
-    execute_to_check("08_tiny", {})  # the published run: the tracked folder
-    assert plotting.save(fig, "tiny-model", "08_demo") == tiny / "figures" / "tiny-model" / "08_demo.png"
+    published = execute_to_check("08_tiny", {})["run"]  # the published run: the tracked folder
+    assert plotting.save(fig, published, "08_demo") == tiny / "figures" / "tiny-model" / "08_demo.png"
     plt.close(fig)
 
 

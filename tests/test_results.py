@@ -6,6 +6,7 @@ import torch
 
 from lib import plotting, stats, verdict
 from lib.infra import cache, paths, results
+from lib.infra.params import Run
 
 
 @pytest.fixture
@@ -25,8 +26,8 @@ def _verdict(finding="a finding", value=0.4):
 
 
 def test_record_and_claims(tmp_project):
-    results.record("m/x", "01_demo", _verdict(value=0.4), "0.4", numbers={"x": torch.tensor(0.4)})
-    results.record("m/x", "01_demo", _verdict(value=0.45), "0.45")  # replaced, not duplicated
+    results.record(Run("01_demo", "m/x"), _verdict(value=0.4), "0.4", numbers={"x": torch.tensor(0.4)})
+    results.record(Run("01_demo", "m/x"), _verdict(value=0.45), "0.45")  # replaced, not duplicated
     doc = json.loads((tmp_project / "results" / "m--x" / "01_demo.json").read_text())
     assert len(doc["findings"]) == 1 and doc["findings"][0]["ours"] == "0.45"
     text = results.write_claims("m/x").read_text()
@@ -34,7 +35,9 @@ def test_record_and_claims(tmp_project):
     assert f"| 01_demo | a finding | 0.5 | 0.45 [0.35, 0.55] (drop) | {detectable} |" in text and "**holds**" in text
     assert detectable == "0.14"
     with pytest.raises(TypeError, match="Verdict"):
-        results.record("m", "01", "holds")
+        results.record(Run("01", "m"), "holds")
+    with pytest.raises(TypeError, match="the notebook's run"):  # where a record goes is the run's, never guessed
+        results.record("m", _verdict(value=0.4), "0.4")
 
 
 def test_detectable_effect_from_an_interval_or_none():
@@ -50,8 +53,8 @@ def test_detectable_effect_from_an_interval_or_none():
 
 def test_a_subset_run_changes_only_its_own_rows(tmp_project):
     for nb in ("01_a", "02_b", "03_c"):
-        results.record("m", nb, _verdict(finding=f"finding {nb}"), "x")
-    results.record("other", "01_a", _verdict(finding="finding 01_a"), "y")
+        results.record(Run(nb, "m"), _verdict(finding=f"finding {nb}"), "x")
+    results.record(Run("01_a", "other"), _verdict(finding="finding 01_a"), "y")
     results.write_claims("m")
     results.write_claims("other")
     results.merge_claims(["m", "other"])
@@ -61,7 +64,7 @@ def test_a_subset_run_changes_only_its_own_rows(tmp_project):
     for p in (tmp_project / "results").rglob("*.json"):
         if p.name != "claims.json":
             p.unlink()
-    results.record("m", "02_b", _verdict(finding="finding 02_b", value=0.05), "z")
+    results.record(Run("02_b", "m"), _verdict(finding="finding 02_b", value=0.05), "z")
     results.write_claims("m")
     results.merge_claims(["m"])  # a run of one model names only that model
     after = (tmp_project / "results" / "m" / "claims.md").read_text().splitlines()
@@ -135,17 +138,15 @@ def test_a_figure_drawn_again_with_the_same_numbers_is_not_rewritten(tmp_project
 def test_an_adhoc_run_records_in_its_run_folder_and_leaves_the_published_ledger(tmp_project, monkeypatch):
     from lib.infra import params
 
-    results.record("m", "01_a", _verdict(finding="finding 01_a"), "published")
+    results.record(Run("01_a", "m"), _verdict(finding="finding 01_a"), "published")
     published = results.write_claims("m").read_text()
     run = params.Run(notebook="01_a", model_name="m", values={"seed": 1}, overrides={"seed": 1},
                      published=False, key="abc123def456")
-    monkeypatch.setattr(params, "_CURRENT", run)
-    path = results.record("m", "01_a", _verdict(finding="finding 01_a", value=0.05), "ad hoc")
+    path = results.record(run, _verdict(finding="finding 01_a", value=0.05), "ad hoc")
     folder = tmp_project / "results" / "m" / "runs" / "abc123def456"
     assert path == folder / "01_a.json"
     assert "ad hoc" in (folder / "claims.json").read_text() and "did not publish" in (folder / "claims.md").read_text()
     assert json.loads((tmp_project / "results" / "m" / "01_a.json").read_text())["findings"][0]["ours"] == "published"
-    monkeypatch.setattr(params, "_CURRENT", None)
     assert results.write_claims("m").read_text() == published  # the run folder is not published
 
 
@@ -153,10 +154,10 @@ def test_a_subset_claims_merge_publishes_only_the_notebooks_named(tmp_project):
     """Records of other notebooks lying in results/<model>/ (an earlier run's) do not enter the ledger when a
     subset run merges its own: `make reproduce NOTEBOOKS=02` publishes 02's rows alone."""
     for nb in ("01_a", "02_b"):
-        results.record("m", nb, _verdict(finding=f"finding {nb}"), "first")
+        results.record(Run(nb, "m"), _verdict(finding=f"finding {nb}"), "first")
     published = results.write_claims("m").read_text()
-    results.record("m", "01_a", _verdict(finding="finding 01_a", value=0.05), "stale")
-    results.record("m", "02_b", _verdict(finding="finding 02_b", value=0.3), "subset")
+    results.record(Run("01_a", "m"), _verdict(finding="finding 01_a", value=0.05), "stale")
+    results.record(Run("02_b", "m"), _verdict(finding="finding 02_b", value=0.3), "subset")
     text = results.write_claims("m", notebooks=["02"]).read_text()
     assert "stale" not in json.dumps(results.load_ledger("m")) and "subset" in json.dumps(results.load_ledger("m"))
     assert sum(a != b for a, b in zip(published.splitlines(), text.splitlines())) == 1
@@ -165,7 +166,7 @@ def test_a_subset_claims_merge_publishes_only_the_notebooks_named(tmp_project):
 def test_clean_results_then_claims_leaves_the_published_ledger(tmp_project):
     """With no per-notebook records at all (after make clean-results), make claims keeps every published row."""
     for nb in ("01_a", "02_b"):
-        results.record("m", nb, _verdict(finding=f"finding {nb}"), "x")
+        results.record(Run(nb, "m"), _verdict(finding=f"finding {nb}"), "x")
     results.write_claims("m")
     before = (tmp_project / "results" / "m" / "claims.json").read_bytes(), (tmp_project / "results" / "m" / "claims.md").read_bytes()
     for p in (tmp_project / "results" / "m").glob("0*.json"):
@@ -177,11 +178,11 @@ def test_clean_results_then_claims_leaves_the_published_ledger(tmp_project):
 
 def test_a_rerun_drops_findings_it_no_longer_records(tmp_project, monkeypatch):
     """A finding renamed (or dropped) by a re-run leaves no stale row; one execution keeps all of its own."""
-    results.record("m", "01_a", _verdict(finding="old name"), "first run")
-    results.record("m", "01_a", _verdict(finding="second finding"), "first run")
+    results.record(Run("01_a", "m"), _verdict(finding="old name"), "first run")
+    results.record(Run("01_a", "m"), _verdict(finding="second finding"), "first run")
     assert [r["finding"] for r in results.load_records("m")] == ["old name", "second finding"]
     monkeypatch.setattr(results, "_EXECUTION", "a later kernel")
-    results.record("m", "01_a", _verdict(finding="new name"), "re-run")
+    results.record(Run("01_a", "m"), _verdict(finding="new name"), "re-run")
     assert [r["finding"] for r in results.load_records("m")] == ["new name"]
 
 
@@ -306,7 +307,7 @@ def test_merge_without_models_puts_the_default_models_first(tmp_project, monkeyp
     """`python -m lib merge` with no models writes the columns in the order `make reproduce` does: the
     notebooks' own default models first (alphabetical order would put another model first)."""
     for m in ("zz-default", "aa-other"):
-        results.record(m, "01_a", _verdict(finding="finding 01_a"), "x")
+        results.record(Run("01_a", m), _verdict(finding="finding 01_a"), "x")
         results.write_claims(m)
     monkeypatch.setattr(results, "default_models", lambda: ["zz-default"])
     header = next(ln for ln in results.merge_claims().read_text().splitlines() if ln.startswith("| notebook"))

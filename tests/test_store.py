@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lib import models
-from lib.infra import params, store
+from lib.infra import store
 from lib.papers import dpo
 
 
@@ -91,7 +91,7 @@ def test_a_changed_fact_is_not_reused(toy_step):
 
 def test_strict_mode_names_the_missing_record_and_the_command(toy_step, monkeypatch):
     monkeypatch.setenv(store.RECORDS_ENV, "strict")
-    monkeypatch.setattr(params, "_CURRENT", params.Run("03_toxic_neurons_explain_little", "smollm2-135m"))
+    monkeypatch.setenv(store.NOTEBOOK_ENV, "03_toxic_neurons_explain_little")
     build, calls = counted()
     with pytest.raises(store.MissingRecord, match=r"missing record .*measurements/toy/[0-9a-f]{16}\.json.*"
                                                   r"make reproduce NOTEBOOKS=03"):

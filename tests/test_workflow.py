@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from lib.infra import index, paths, results, runner
+from lib.infra.params import Run
 
 ROOT = Path(__file__).resolve().parent.parent
 SNAKEMAKE = shutil.which("snakemake", path=str(Path(sys.executable).parent)) or shutil.which("snakemake")
@@ -210,9 +211,9 @@ def _verdict(finding: str, value: float):
 
 def test_merge_claims_puts_models_side_by_side(tmp_results):
     """The rule merge_claims: the models' published ledgers side by side, in the Snakefile's order."""
-    results.record("m-a", "01_x", _verdict("probe finds toxicity", 0.4), "0.4")
-    results.record("m-a", "02_y", _verdict("DPO lowers toxicity", 0.3), "0.3")
-    results.record("org/m-b", "01_x", _verdict("probe finds toxicity", 0.02), "0.02")
+    results.record(Run("01_x", "m-a"), _verdict("probe finds toxicity", 0.4), "0.4")
+    results.record(Run("02_y", "m-a"), _verdict("DPO lowers toxicity", 0.3), "0.3")
+    results.record(Run("01_x", "org/m-b"), _verdict("probe finds toxicity", 0.02), "0.02")
     for m in ("m-a", "org/m-b"):
         results.write_claims(m)
     lines = results.merge_claims(["org--m-b", "m-a"]).read_text().splitlines()  # folder names, as the Snakefile passes
@@ -642,7 +643,7 @@ def test_make_test_writes_figures_and_notebook_records_outside_the_tree(tmp_path
     assert plotting.save(fig, "m", "01_demo") == tmp_path / "out" / "figures" / "m" / "01_demo.png"
     plt.close(fig)
     v = _verdict("a finding", 0.4)
-    assert results.record("m", "01_demo", v, "x") == tmp_path / "out" / "results" / "m" / "01_demo.json"
+    assert results.record(Run("01_demo", "m"), v, "x") == tmp_path / "out" / "results" / "m" / "01_demo.json"
     assert not (tmp_path / "figures").exists() and not (tmp_path / "results").exists()
 
 

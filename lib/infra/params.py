@@ -53,7 +53,6 @@ NEUTRAL = {
 
 _LITERAL = (str, int, float, bool, type(None), list, dict, tuple)
 _TYPES = {"str": str, "int": int, "float": float, "bool": bool, "list": list, "tuple": tuple, "dict": dict}
-_CURRENT: Run | None = None
 
 
 class _NotLiteral:
@@ -95,11 +94,6 @@ class Run:
         return d
 
 
-def current() -> Run | None:
-    """The Run of the last :func:`check` in this process (None before any)."""
-    return _CURRENT
-
-
 def neutral(notebook: str) -> set[str]:
     """The names that choose how ``notebook`` runs, not what it computes: :data:`NEUTRAL` and its own (the index)."""
     return set(NEUTRAL) | set(index.neutral(notebook[:2]))
@@ -111,8 +105,7 @@ def check(namespace: dict, notebook: str, bounds: dict | None = None, registry_n
     one-line ValueError; coerced values are written back. ``bounds``: parameter -> check(name, value, every
     parameter's value), run after the types and ranges, which raises a one-line ValueError. ``registry_name``:
     the model's registry name when ``model_name`` is an alias of it (params/<registry name>.yaml applies).
-    Returns the :class:`Run`, also available as :func:`current`."""
-    global _CURRENT
+    Returns the :class:`Run`: where the notebook's figures and ledger records go."""
     spec = _parameters(notebook)
     model_name = namespace.get("model_name", spec.get("model_name", (None, None))[1])
     settings = _model_settings(model_name, registry_name)  # params/<model>.yaml: also names the notebook lacks
@@ -140,14 +133,14 @@ def check(namespace: dict, notebook: str, bounds: dict | None = None, registry_n
     publishes = not overrides and paths.publishing()
     key = hashlib.sha256(json.dumps(sorted(overrides.items()), default=repr).encode()).hexdigest()[:12] \
         if overrides else ("" if publishes else "default")
-    _CURRENT = Run(notebook, str(values.get("model_name", model_name)), values, overrides, publishes, key)
+    run = Run(notebook, str(values.get("model_name", model_name)), values, overrides, publishes, key)
     if not publishes and paths.outputs_dir() is None:
-        where = paths.RESULTS / paths.slug(_CURRENT.model_name) / "runs" / key
+        where = paths.RESULTS / paths.slug(run.model_name) / "runs" / key
         where = where.relative_to(paths.ROOT) if where.is_relative_to(paths.ROOT) else where
         why = f"non-default parameters {overrides}" if overrides else \
             f"published parameters, not a publishing run (make reproduce NOTEBOOKS={notebook[:2]} publishes)"
         print(f"{why}: this run writes its figures and ledger to {where}/, not to the published ones")
-    return _CURRENT
+    return run
 
 
 # ----------------------------------------------------------------------------- the parameters cell

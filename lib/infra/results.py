@@ -21,8 +21,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from lib.infra import index, params, paths
+from lib.infra import index, paths
 from lib.infra.cache import atomic_write_text
+from lib.infra.params import Run
 
 # The verdict words a ledger row may hold (lib.verdict decides which one a finding gets).
 VERDICTS = ("holds", "partly holds", "does not hold", "inconclusive")
@@ -48,39 +49,33 @@ def _clean(x: Any) -> Any:
     return x
 
 
-def _run_for(model_name: str, notebook: str):
-    """The lib.infra.params run of this notebook and model, when one is current."""
-    run = params.current()
-    if run is not None and run.notebook == notebook and paths.slug(run.model_name) == paths.slug(model_name):
-        return run
-    return None
-
-
-def record_dir(model_name: str, notebook: str) -> Path:
-    """Where ``notebook``'s records for ``model_name`` go: the published folder, or the run's own."""
-    run = _run_for(model_name, notebook)
+def record_dir(run: Run) -> Path:
+    """Where the records of ``run`` (:func:`lib.infra.params.check`) go: the published folder, or the run's own."""
     if paths.outputs_dir() is not None:  # a test run (COMPENDIUM_OUTPUTS): its records never feed the ledgers
-        d = paths.outputs_dir() / "results" / paths.slug(model_name)
-        d = d / "runs" / run.key if run is not None and not run.published else d
+        d = paths.outputs_dir() / "results" / paths.slug(run.model_name)
+        d = d if run.published else d / "runs" / run.key
     else:
-        d = run.results_dir() if run is not None else paths.results_dir(model_name)
+        d = run.results_dir()
     d.mkdir(parents=True, exist_ok=True)
     return d
 
 
-def record(model_name: str, notebook: str, verdict, ours: str = "", numbers: dict | None = None,
-           params: dict | None = None) -> Path:
-    """Add (or replace) one finding of ``notebook`` for ``model_name``. Findings that an earlier
-    execution of the notebook recorded are dropped (a re-run records all of its findings afresh).
+def record(run: Run, verdict, ours: str = "", numbers: dict | None = None, params: dict | None = None) -> Path:
+    """Add (or replace) one finding of the notebook that ``run`` checked (:func:`lib.nb.start`), for its model.
+    Findings that an earlier execution of the notebook recorded are dropped (a re-run records all of its findings
+    afresh).
 
     verdict: from :func:`lib.verdict.decide` (finding, paper, estimate, control, preconditions, n and
     reason come from it); ours: the measured numbers in words, as the notebook prints them.
     """
+    if not isinstance(run, Run):
+        raise TypeError(f"record() takes the notebook's run (run = nb.start(...)), got {type(run).__name__}")
     if not callable(getattr(verdict, "ledger", None)):
         raise TypeError(f"record() takes a lib.verdict.Verdict from verdict.decide(), got {type(verdict).__name__}")
     if verdict.verdict not in VERDICTS:
         raise ValueError(f"unknown verdict {verdict.verdict!r}: use one of {', '.join(VERDICTS)}")
-    folder = record_dir(model_name, notebook)
+    model_name, notebook = run.model_name, run.notebook
+    folder = record_dir(run)
     path = folder / f"{notebook}.json"
     doc = json.loads(path.read_text()) if path.exists() else {"notebook": notebook, "model": model_name, "findings": []}
     row = {**verdict.ledger(), "ours": ours}

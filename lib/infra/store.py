@@ -47,7 +47,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from lib.infra import index, params, paths
+from lib.infra import index, paths
 from lib.infra.cache import atomic_write_text, content_hash
 
 RECORDS_ENV = "COMPENDIUM_RECORDS"
@@ -56,7 +56,7 @@ AUDIT_PLAN_ENV = "COMPENDIUM_AUDIT_PLAN"
 AUDIT_LOG_ENV = "COMPENDIUM_AUDIT_LOG"
 STORE_ENV = "COMPENDIUM_STORE"  # another root than results/ (tests)
 FRESH_SINCE_ENV = "COMPENDIUM_FRESH_SINCE"  # 'fresh' mode: records written since this UTC time are this rebuild's
-NOTEBOOK_ENV = "COMPENDIUM_NOTEBOOK"  # the notebook a worker process measures for (lib.papers.saobp.scratch.scratch_runs sets it)
+NOTEBOOK_ENV = "COMPENDIUM_NOTEBOOK"  # the notebook this process runs (lib.nb.start sets it; worker processes inherit it)
 FOLDER = "measurements"
 GZIP_ABOVE = 32_768  # bytes of JSON above which a record is gzipped (small ones stay plain, diffable text)
 LIST_ABOVE = 64  # numeric arrays longer than this are stored as base64 of their bytes (exact, compact)
@@ -122,13 +122,6 @@ def root() -> Path:
 
 def folder(model_name: str) -> Path:
     return root() / paths.slug(model_name) / FOLDER
-
-
-def owner(default: str) -> str:
-    """Whose store a measurement goes to: the model of the notebook being run (a notebook's records all sit in
-    its model's folder, whichever models it measures: the base, a fine-tuned copy), else ``default``."""
-    run = params.current()
-    return run.model_name if run is not None else default
 
 
 def key_of(step_name: str, params: dict, inputs: Any = None) -> str:
@@ -313,8 +306,7 @@ def provenance(wall_s: float, device: str | None = None) -> dict:
         import torch
 
         threads = torch.get_num_threads()
-    run = params.current()
-    notebook = run.notebook if run is not None else os.environ.get(NOTEBOOK_ENV) or None
+    notebook = os.environ.get(NOTEBOOK_ENV) or None
     return {"commit": commit or "unknown", "packages": versions, "python": platform.python_version(),
             "device": device or "cpu", "cpu": cpu_model(), "threads": threads, "wall_s": round(float(wall_s), 2),
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -364,11 +356,9 @@ def write(model_name: str, step_name: str, key: str, params: dict, version: int,
 
 
 def _notebook_command(model_name: str) -> str:
-    run = params.current()
-    nb = run.notebook[:2] if run is not None else None
-    model = "" if run is not None and not run.overrides and paths.slug(run.model_name) == paths.slug(model_name) \
-        and _is_default_model(run.notebook, model_name) else f" MODEL={model_name}"
-    return f"make reproduce{model}" + (f" NOTEBOOKS={nb}" if nb else "")
+    notebook = os.environ.get(NOTEBOOK_ENV) or None
+    model = "" if notebook and _is_default_model(notebook, model_name) else f" MODEL={model_name}"
+    return f"make reproduce{model}" + (f" NOTEBOOKS={notebook[:2]}" if notebook else "")
 
 
 def _is_default_model(notebook: str, model_name: str) -> bool:

@@ -46,7 +46,7 @@ def toxicity_perplexity_f1(lm: Loaded, n_prompts: int = Sizes.n_prompts, n_wiki:
     params = {"model": lm.name, "n_prompts": n_prompts, "n_wiki": n_wiki, "max_new_tokens": max_new_tokens,
               "batch_size": batch_size, "scorer": metrics.resolve_scorer(scorer), "details": details,
               "toxicity_only": toxicity_only, "perplexity": perplexity}
-    return store.measure("toxicity-perplexity-f1", store.owner(lm.name), params,
+    return store.measure("toxicity-perplexity-f1", lm.records_name, params,
                          lambda: _toxicity_perplexity_f1(lm, inputs, **kw), inputs=inputs, device=str(lm.device))
 
 
@@ -198,7 +198,7 @@ def evaluate(lm: Loaded, table=None, *, n_prompts: int, n_wiki: int, max_new_tok
         return _evaluate(lm, table, n_prompts=n_prompts, n_wiki=n_wiki, max_new_tokens=max_new_tokens, scorer=scorer,
                          toxicity_only=toxicity_only, positions=positions, prompts=prompts)
     inputs = evaluation_inputs(n_prompts, n_wiki, prompts)
-    return store.measure("evaluation", store.owner(lm.name),
+    return store.measure("evaluation", lm.records_name,
                          _evaluation_params(lm, table, n_prompts, n_wiki, max_new_tokens, scorer, toxicity_only, positions),
                          lambda: _evaluate(lm, table, n_prompts=n_prompts, n_wiki=n_wiki, max_new_tokens=max_new_tokens,
                                            scorer=scorer, toxicity_only=toxicity_only, positions=positions,
@@ -301,7 +301,7 @@ def evaluate_each(lm: Loaded, tables: Sequence, *, n_prompts: int, n_wiki: int, 
         return _evaluate_each(lm, tables, **kw)
     params = [_evaluation_params(lm, t, n_prompts, n_wiki, max_new_tokens, scorer, True, positions, copy_from)
               for t in tables]
-    return store.measure_many("evaluation", store.owner(lm.name), params,
+    return store.measure_many("evaluation", lm.records_name, params,
                               lambda idx: _evaluate_each(lm, [tables[i] for i in idx], **kw), inputs=inputs,
                               device=str(lm.device))
 

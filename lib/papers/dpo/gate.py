@@ -262,7 +262,7 @@ def validate_directions(lm: Loaded, probe: Probe, scorer: str = "auto", seed: in
         {k: _tensor_key(v) for k, v in vectors.items()}
     key = {"model": lm.name, "settings": s, "seed": seed, "scorer": metrics.resolve_scorer(scorer), "layer": layer,
            "vectors": named, "prompts": cache.content_hash(prompts)}
-    out = store.measure("direction-gate", store.owner(lm.name), key, build, device=str(lm.device))
+    out = store.measure("direction-gate", lm.records_name, key, build, device=str(lm.device))
     return DirectionGate(out["table"], vectors, out["best"], layer, out["steer_norm"], out["baseline"],
                          out["random"], out["scorer"], {**s, "examples": out["examples"]})
 

@@ -87,7 +87,6 @@ def pair_stats(model_name: str, base: Loaded, tuned: Loaded, tuned_params: dict,
     params = {"tuned": dict(sorted(tuned_params.items())), "prompts": cache.content_hash(prompts),
               "max_new_tokens": max_new_tokens, "k": k, "max_prompt_tokens": max_prompt_tokens, "positions": "last_k",
               "model": base.name}
-    owner = store.owner(model_name)
 
     def build():
         sb, gb = generation_stats(lm=base, prompts=prompts, max_new_tokens=max_new_tokens, k=k,
@@ -96,12 +95,12 @@ def pair_stats(model_name: str, base: Loaded, tuned: Loaded, tuned_params: dict,
         st, gt = generation_stats(lm=tuned, prompts=prompts, max_new_tokens=max_new_tokens, k=k,
                                   batch_size=batch_size, max_prompt_tokens=max_prompt_tokens,
                                   progress=progress, desc="tuned", pooled=True)
-        _PER_PROMPT[(id(base), id(tuned), owner, str(params))] = {"base": sb.pooled.float(), "tuned": st.pooled.float()}
+        _PER_PROMPT[(id(base), id(tuned), model_name, str(params))] = {"base": sb.pooled.float(), "tuned": st.pooled.float()}
         return {"base": sb.mean, "tuned": st.mean, "base_continuations": gb.continuations,
                 "tuned_continuations": gt.continuations, "prompts": gb.prompts,
                 "count": {"base": int(sb.count[0]), "tuned": int(st.count[0])}}
 
-    own = store.measure("neuron-stats", owner, {**params, "texts": "own"}, build, device=str(base.device))
+    own = store.measure("neuron-stats", model_name, {**params, "texts": "own"}, build, device=str(base.device))
     per_prompt = _per_prompt_reader(model_name, base, tuned, params, own, k, batch_size, progress)
     if texts == "own":
         return PairStats({**own, "texts": "own"}, per_prompt, "own")
@@ -110,10 +109,10 @@ def pair_stats(model_name: str, base: Loaded, tuned: Loaded, tuned_params: dict,
     def build_same():
         st = hooks.mlp_activation_stats(tuned, read, positions="last_k", k=k, batch_size=batch_size, max_length=None,
                                         pooled=True, progress=progress, desc="tuned on the base model's texts")
-        _PER_PROMPT[(id(base), id(tuned), owner, str(params), "same")] = st.pooled.float()
+        _PER_PROMPT[(id(base), id(tuned), model_name, str(params), "same")] = st.pooled.float()
         return {"tuned": st.mean, "count": int(st.count[0])}
 
-    same = store.measure("neuron-stats", owner, {**params, "texts": "base"}, build_same, device=str(tuned.device))
+    same = store.measure("neuron-stats", model_name, {**params, "texts": "base"}, build_same, device=str(tuned.device))
     return PairStats({**own, "tuned": same["tuned"], "tuned_continuations": own["base_continuations"],
                       "count": {**own["count"], "tuned": same["count"]}, "texts": "base"}, per_prompt, "base")
 
@@ -142,10 +141,9 @@ class PairStats(dict):
 
 def _per_prompt_reader(model_name, base, tuned, params, own, k, batch_size, progress):
     def read(which: str, texts: str) -> torch.Tensor:
-        owner = store.owner(model_name)
-        memo = _PER_PROMPT.get((id(base), id(tuned), owner, str(params)))
+        memo = _PER_PROMPT.get((id(base), id(tuned), model_name, str(params)))
         if which == "tuned" and texts == "base":
-            hit = _PER_PROMPT.get((id(base), id(tuned), owner, str(params), "same"))
+            hit = _PER_PROMPT.get((id(base), id(tuned), model_name, str(params), "same"))
             if hit is not None:
                 return hit
         elif memo is not None:

@@ -86,7 +86,7 @@ def preference_pairs(lm: Loaded, probe: Probe, n_pairs: int = Sizes.n_pairs, see
               "layer": probe.steer_layer, "n_pairs": n_pairs, "seed": seed,
               "max_new_tokens": max_new_tokens, "offset": offset, "scorer": metrics.resolve_scorer(scorer),
               "chunk": chunk, "prompts": cache.content_hash(pool), "min_distinct2": float(min_distinct2), "version": 2}
-    out = store.measure("preference-pairs", store.owner(lm.name), params, build, device=str(lm.device))
+    out = store.measure("preference-pairs", lm.records_name, params, build, device=str(lm.device))
     df = out["pairs"].copy()
     df.attrs.update(n_tried=out["n_tried"], n_looping=out["n_looping"], scorer=out["scorer"])
     return df

@@ -166,7 +166,7 @@ def train_probe(lm: Loaded, n_per_class: int = Sizes.n_probe_per_class, seed: in
               "steer_depth": round(float(steer_depth), 6), "version": 4,
               "data": cache.content_hash([texts, labels, jig_texts, jig_labels])}  # edited tweets: a new probe
     params = {"model": lm.name, **params}
-    probe = store.measure("probe", store.owner(lm.name), params, build, to_record=_probe_record, from_record=_probe_from,
+    probe = store.measure("probe", lm.records_name, params, build, to_record=_probe_record, from_record=_probe_from,
                           device=str(lm.device))
     probe.record = store.key_of("probe", params)
     return probe

@@ -180,8 +180,8 @@ def dpo_run(lm: Loaded, pairs: pd.DataFrame, steps: int = Sizes.dpo_steps, lr: f
         return {"log": pd.read_csv(folder / "training_log.csv") if where == folder else _audit_logs.pop(str(where)),
                 "changed_tensors": changed, "n_tensors": n, "w_out_change": np.asarray(w_out)}
     name = f"{lm.name}-dpo-{folder.name.split('-')[-1]}"
-    rec = store.measure("dpo-run", store.owner(lm.name), params, build, device=str(lm.device), produces=name)
-    model = models.LazyLoaded(dataclasses.replace(lm.spec, name=name), lm.device, lambda: _load_dpo(
+    rec = store.measure("dpo-run", lm.records_name, params, build, device=str(lm.device), produces=name)
+    model = models.LazyLoaded(dataclasses.replace(lm.spec, name=name, derived_from=lm.records_name), lm.device, lambda: _load_dpo(
         lm, _train_dpo(lm, pairs, steps, lr, beta, seed, progress, batch_size, folder), progress),
         path=folder, device_map=lm.device_map)
     return DPORun(model, rec["log"], int(rec["changed_tensors"]), int(rec["n_tensors"]),
@@ -260,7 +260,7 @@ def _load_dpo(lm: Loaded, folder: Path, progress: bool, suffix: str = "") -> Loa
     with repro.library_bars(progress):  # transformers' "Loading weights"
         dpo_lm = models.load(str(folder), device=dev, dtype=lm.model.dtype, device_map=lm.device_map)
     key = (folder.parent if suffix else folder).name.split("-")[-1]
-    dpo_lm.spec = dataclasses.replace(dpo_lm.spec, name=f"{lm.name}-dpo-{key}{suffix}")
+    dpo_lm.spec = dataclasses.replace(dpo_lm.spec, name=f"{lm.name}-dpo-{key}{suffix}", derived_from=lm.records_name)
     dpo_lm.info.name = dpo_lm.spec.name
     return dpo_lm
 
@@ -274,7 +274,7 @@ def dpo_halfway(lm: Loaded, pairs: pd.DataFrame, steps: int = Sizes.dpo_steps, l
     the learning rate's warm-up is 10% of the whole run's steps."""
     run = dpo_run(lm, pairs, steps, lr, beta, seed, progress, batch_size)
     folder = _dpo_folder(lm, pairs, steps, lr, beta, seed, batch_size)
-    model = models.LazyLoaded(dataclasses.replace(lm.spec, name=f"{run.model.name}-halfway"), lm.device, lambda: _load_dpo(
+    model = models.LazyLoaded(dataclasses.replace(lm.spec, name=f"{run.model.name}-halfway", derived_from=lm.records_name), lm.device, lambda: _load_dpo(
         lm, _train_dpo(lm, pairs, steps, lr, beta, seed, progress, batch_size, folder) / HALFWAY, progress,
         suffix="-halfway"), path=folder / HALFWAY, device_map=lm.device_map)
     return model, run.log[run.log.step <= run.halfway].reset_index(drop=True)

@@ -22,7 +22,7 @@ def attribution(study: Study, name: str, batch_size: int = 16, progress: bool = 
     never saw. A measurement record (step 'relation-attribution', keyed by the study and ``name``)."""
     if name not in study.ident_rows:
         raise ValueError(f"{name!r} is not a selected relation: use one of {', '.join(study.names)}")
-    return store.measure("relation-attribution", store.owner(study.model_name),
+    return store.measure("relation-attribution", study.model_name,
                          {"study": study.fingerprint, "relation": name},
                          lambda: _attribution(study, name, batch_size, progress), device=str(study.lm.model.device))
 
@@ -173,7 +173,7 @@ def ap_by_tokens(study: "Study", name: str, parts: Sequence[str] = ("subject", "
             pooled = r.result()[torch.from_numpy(inv)]  # [n rows, units.size], in the order of `rows`
             out[p] = _score(pooled, np.arange(len(pos)), np.arange(len(pos), n))
         return out
-    return build() if not use_cache else store.measure("relation-token-ap", store.owner(study.model_name), params, build,
+    return build() if not use_cache else store.measure("relation-token-ap", study.model_name, params, build,
                                                        device=str(lm.model.device))
 # ============================================================================ end of the template check
 

@@ -193,6 +193,6 @@ def measured_answers(lm: Loaded, model_name: str, prompts: Sequence[str], golds:
         a = answer(lm, prompts, golds, n_tokens, rule, units, off_list or None, batch_size=batch_size,
                    max_prompt_tokens=max_prompt_tokens, progress=progress)
         return {"continuation": a.continuation, "correct": a.correct, "rank": a.rank, "logprob": a.logprob}
-    rec = store.measure("relation-answers", store.owner(model_name), params, build, device=str(lm.model.device))
+    rec = store.measure("relation-answers", model_name, params, build, device=str(lm.model.device))
     return Answers(list(rec["continuation"]), np.asarray(rec["correct"], dtype=bool), np.asarray(rec["rank"]),
                    np.asarray(rec["logprob"], dtype=float))

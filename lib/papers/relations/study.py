@@ -149,7 +149,7 @@ class Study:
         def build():
             ap, tie = self.ap_many(tasks)
             return np.stack([top_of(a, t, int(depth)) for a, t in zip(ap, tie)]).astype(np.int32)
-        return store.measure("relation-ranking", store.owner(self.model_name), params, build,
+        return store.measure("relation-ranking", self.model_name, params, build,
                              device=str(self.lm.model.device)).astype(np.int64)
 
 
@@ -332,7 +332,7 @@ def setup(model_name: str = "smollm2-135m", device: str = "auto", seed: int = 0,
         out = build()
         kept["pooled"] = out.pop("pooled")
         return {**out, "k": k}
-    built = store.measure("relation-study", store.owner(model_name), params, measured, device=str(lm.model.device))
+    built = store.measure("relation-study", model_name, params, measured, device=str(lm.model.device))
     if "pooled" in kept:
         cache.atomic_save(kept["pooled"], cache.path("relation-pooled", model_name, {"study": cache.key(params)}, ".pt"))
     for row in screen:

@@ -32,7 +32,7 @@ import pandas as pd
 import torch
 
 from lib import data, models
-from lib.infra import cache, params, repro, store
+from lib.infra import cache, repro, store
 from lib.papers.saobp.refinement import (DEFAULT_J, J_MODES, AttentionStats, active, attach, attention_stats, batches, depth_fall, get,
                                           no_cache, trim)
 
@@ -490,7 +490,6 @@ def one_thread():
 
 
 def _build_in_worker(config: dict) -> str:
-    import os
     import warnings
 
     # A worker writes to the caller's terminal (or the notebook cell) directly: no bars, no library warnings
@@ -525,9 +524,6 @@ def scratch_runs(configs: Sequence[dict], workers: int | None = None, progress: 
     if n > 1 and len(todo) > 1:
         for name in sorted({c.get("decoder", "smollm2-135m") if c["task"] == "LM" else c.get("encoder", "minilm-l6") for c in todo}):
             models.prepare_embedded(name)  # once, here, rather than by every worker at the same time
-        run = params.current()
-        if run is not None:  # the workers' records name the notebook they were measured for (their provenance)
-            os.environ[store.NOTEBOOK_ENV] = run.notebook
         with cf.ProcessPoolExecutor(min(n, len(todo)), mp_context=mp.get_context("spawn")) as ex:
             futures = [ex.submit(_build_in_worker, c) for c in todo]
             for f in repro.bar(cf.as_completed(futures), total=len(futures), desc=desc, progress=progress):
@@ -586,7 +582,7 @@ def finetune(model_name: str, arm: str, seed: int, train_enc: dict, texts_enc: d
                          data=cache.content_hash([{k: v for k, v in sorted(e.items())} for e in (train_enc, texts_enc, eval_enc)]))
     if arm == "saobp":
         record_params.update(J=J, j_mode=j_mode)
-    return store.measure("saobp-finetune", store.owner(model_name), record_params, build, device=str(device))
+    return store.measure("saobp-finetune", model_name, record_params, build, device=str(device))
 
 
 # ----------------------------------------------------------------------------- records (lib.infra.store)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -25,15 +26,26 @@ LEVEL = 0.95
 N_RESAMPLES = 2000
 
 
+# What an Estimate's interval is. Only an uncertainty interval of the estimate (a confidence or bootstrap interval)
+# can decide a verdict (lib.verdict.decide refuses the others): a null band says where the estimate would fall by
+# chance, and a spread (max - min) describes the data; neither says how far the estimate itself may be off.
+INTERVALS = ("uncertainty", "null band", "spread")
+
+
 @dataclass(frozen=True)
 class Estimate:
-    """A point estimate with its two-sided interval."""
+    """A point estimate with its two-sided interval, and what that interval is (:data:`INTERVALS`)."""
     value: float
     low: float
     high: float
     n: int  # items (prompts, facts, seeds) behind the estimate
     level: float = LEVEL
     method: str = ""
+    interval: str = "uncertainty"
+
+    def __post_init__(self):
+        if self.interval not in INTERVALS:
+            raise ValueError(f"interval must be one of {', '.join(INTERVALS)}, got {self.interval!r}")
 
     @property
     def width(self) -> float:
@@ -46,7 +58,7 @@ class Estimate:
     def scaled(self, factor: float) -> "Estimate":
         """The same estimate in other units (e.g. x100 for points); a negative factor swaps the ends."""
         lo, hi = sorted((self.low * factor, self.high * factor))
-        return Estimate(self.value * factor, lo, hi, self.n, self.level, self.method)
+        return Estimate(self.value * factor, lo, hi, self.n, self.level, self.method, self.interval)
 
     def fmt(self, digits: int = 2, unit: str = "") -> str:
         """'0.12 [0.05, 0.19]'; ``digits`` should match the interval's resolution. Signs and the signed
@@ -216,49 +228,87 @@ def paired_permutation(treated: Sequence[float], baseline: Sequence[float], alte
     return float(res.pvalue)
 
 
+ALPHA = 0.05  # the rank test's level where a comparison stands alone
+
+
+def min_controls(alpha: float = ALPHA) -> int:
+    """The fewest control sets with which the exact rank test can reach p <= ``alpha``: the effect beyond all
+    ``n`` sets gives p = 1 / (n + 1), so n >= 1 / alpha - 1 (19 at 0.05; 39 at 0.025, two comparisons
+    Bonferroni-corrected; 99 at 0.01)."""
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must lie in (0, 1), got {alpha!r}")
+    return int(math.ceil(1 / alpha - 1 - 1e-9))
+
+
 @dataclass(frozen=True)
 class ControlComparison:
-    """An effect against a distribution of matched random controls (same size, same layers, ...)."""
+    """An effect against a distribution of matched random controls (same size, same layers, ...): an exact
+    Monte-Carlo rank test. The effect and the control sets are exchangeable under the null (no effect beyond what
+    any matched set has), so the rank p-value (1 + #sets at least as extreme) / (n + 1) has exactly the error rate
+    it states; "beyond" is p <= ``alpha``. A set at least as extreme as the effect adds 1 / (n + 1) to p: with 19
+    sets, one such set makes "beyond" at 0.05 impossible."""
     effect: float
     controls: tuple[float, ...]
     name: str
-    q: float          # the control band's upper edge: the 95th percentile of the controls (in the effect's direction)
+    q: float          # the control band's edge: the 95th (or 5th) percentile of the controls, for plots and reading
     pvalue: float     # rank p-value: (1 + #controls at least as extreme) / (n_controls + 1)
     greater: bool     # True: a larger effect is more extreme
+    alpha: float = ALPHA  # the level of "beyond" (a family of comparisons: alpha / their number)
 
     @property
     def n(self) -> int:
         return len(self.controls)
 
     @property
+    def enough(self) -> bool:
+        """Whether there are enough sets for the rank test to reach ``alpha`` at all (:func:`min_controls`)."""
+        return self.n >= min_controls(self.alpha)
+
+    @property
     def beyond(self) -> bool:
-        return self.effect > self.q if self.greater else self.effect < self.q
+        return self.enough and self.pvalue <= self.alpha + 1e-12
 
     def fmt(self, digits: int = 2) -> str:
         side = "95th" if self.greater else "5th"
-        return f"{self.name}: {side} percentile {self.q:.{digits}f} ({self.n} sets), rank p = {self.pvalue:.2g}"
+        return (f"{self.name}: rank p = {self.pvalue:.2g} ({self.n} sets; beyond at p <= {self.alpha:.2g}), "
+                f"{side} percentile {self.q:.{digits}f}")
 
 
 def against_controls(effect: float, controls: Sequence[float], name: str = "matched random controls",
-                     greater: bool = True, quantile: float = 0.95) -> ControlComparison:
-    """Where ``effect`` falls in the distribution of control effects. The rank p-value is the exact
-    permutation p-value of a Monte-Carlo test; with 10 controls it cannot fall below 1/11."""
+                     greater: bool = True, quantile: float = 0.95, alpha: float = ALPHA) -> ControlComparison:
+    """Where ``effect`` falls in the distribution of control effects: the exact rank test of
+    :class:`ControlComparison` at level ``alpha`` (a family of m comparisons: ``alpha / m``, Bonferroni), and the
+    ``quantile`` band edge for plots. With 10 controls p cannot fall below 1/11, so nothing is beyond at 0.05."""
     c = _as_float(controls)
     if greater:
         q, more = float(np.quantile(c, quantile)), int((c >= effect).sum())
     else:
         q, more = float(np.quantile(c, 1 - quantile)), int((c <= effect).sum())
-    return ControlComparison(float(effect), tuple(float(v) for v in c), name, q, (1 + more) / (c.size + 1), greater)
+    return ControlComparison(float(effect), tuple(float(v) for v in c), name, q, (1 + more) / (c.size + 1), greater,
+                             float(alpha))
 
 
 def gap_against_controls(effect: float, controls: Sequence[float], name: str = "matched random controls",
-                         greater: bool = True, quantile: float = 0.95) -> ControlComparison:
+                         greater: bool = True, quantile: float = 0.95, alpha: float = ALPHA) -> ControlComparison:
     """:func:`against_controls` in the units of a gap estimate (effect minus the controls' mean, as
     notebooks 11 and 12 report): ``effect`` and every control minus the controls' mean. The same
     comparison shifted by a constant, so ``beyond`` and the rank p-value are those of the raw one."""
     c = _as_float(controls)
     m = float(c.mean())
-    return against_controls(float(effect) - m, c - m, name=f"{name}, minus their mean", greater=greater, quantile=quantile)
+    return against_controls(float(effect) - m, c - m, name=f"{name}, minus their mean", greater=greater, quantile=quantile,
+                            alpha=alpha)
+
+
+def gap_interval(effect: Sequence[float], controls: np.ndarray, level: float = LEVEL, n_resamples: int = N_RESAMPLES,
+                 seed: int = 0) -> Estimate:
+    """Interval of mean(effect) - mean(controls): an effect measured per item (``effect`` [n_items], e.g. one
+    log-prob drop per fact) against matched control sets measured on the same items (``controls``
+    [n_sets, n_items]). Both levels are resampled, the control sets and the items (the same items for the effect
+    and the sets, so the pairing is kept), so the interval carries the control sets' spread as well as the items':
+    :func:`seeds_and_items_bootstrap` with the sets as its seeds, read the other way round."""
+    c = np.asarray(controls, dtype=float)
+    est = seeds_and_items_bootstrap(c, effect, level=level, n_resamples=n_resamples, seed=seed).scaled(-1.0)
+    return dataclasses.replace(est, method=f"two-level percentile bootstrap ({c.shape[0]} control sets x {est.n} items)")
 
 
 def control_permutation(effects: Sequence[float], controls: Sequence[float], alternative: str = "greater",

@@ -1,22 +1,33 @@
-"""The one verdict rule every notebook calls.
+"""The one verdict rule every notebook calls (second edition).
 
 A notebook states its :class:`Criterion` in a cell before any result (the only place its thresholds
-live), measures an :class:`~lib.stats.Estimate` (an effect with its interval), compares it with matched
-controls (:func:`lib.stats.against_controls`) where the finding needs them, checks its named
-:class:`Precondition` s, and calls :func:`decide`:
+live), measures an :class:`~lib.stats.Estimate` (an effect with an uncertainty interval), compares it with
+matched controls (:func:`lib.stats.against_controls`, an exact rank test) where the finding needs them,
+checks its named :class:`Precondition` s, and calls :func:`decide`. Each word is a statement about the
+interval, never about the point estimate alone:
 
-1. a precondition not met                         -> inconclusive: precondition not met: <which>
-2. no interval, or one of zero width              -> inconclusive (zero spread is never significance)
-   fewer than MIN_CONTROLS matched controls        -> inconclusive (no band to be beyond)
-3. interval excludes 0, estimate >= threshold,
-   beyond the controls (where they are needed)    -> holds
-4. interval excludes 0, beyond the controls,
-   estimate below the threshold                   -> partly holds (a real but smaller effect)
-5. interval lies below the threshold              -> does not hold (the test could have seen it)
-6. significant, but no control or within them     -> inconclusive: no matched control / within controls
-7. interval contains both 0 and the threshold     -> inconclusive: underpowered (detectable effect X)
+1. a precondition not met                            -> inconclusive: precondition not met: <which>
+2. no estimate, or an interval of zero width         -> inconclusive (zero spread is never significance)
+   an interval that is not an uncertainty interval   -> refused (ValueError): a null band or a spread
+3. the whole interval at or beyond the threshold,
+   beyond the controls (where they are needed)       -> holds
+4. the whole interval between 0 and the threshold,
+   beyond the controls                               -> partly holds (a real effect, shown to be smaller)
+5. the interval lies below the threshold             -> does not hold (an effect of the finding's size is
+                                                        excluded; the preconditions are met)
+6. too few control sets for the rank test to reach
+   its level (fewer than 19 at p <= 0.05)            -> inconclusive: not enough control sets
+7. the interval excludes 0 but is not beyond the
+   controls, or has no matched control               -> inconclusive: within controls / no control
+8. the interval excludes 0, beyond the controls, but
+   reaches past the threshold toward 0               -> inconclusive: a real effect whose size is not settled
+9. the interval contains 0                           -> inconclusive: underpowered (detectable effect X)
 
-"Below" and "beyond" are read in the paper's direction (``Criterion.direction``), so an effect that
+"Beyond the controls" is the exact rank test of :class:`lib.stats.ControlComparison`: the effect's rank p-value
+among n matched sets, (1 + #sets at least as extreme) / (n + 1), at most the comparison's ``alpha`` (0.05 unless a
+family of comparisons divides it). Its error rate is what it says, and it needs n >= 1 / alpha - 1 sets
+(:func:`lib.stats.min_controls`: 19 at 0.05); a set at least as extreme as the effect then makes "beyond"
+impossible. "Below" and "beyond" are read in the paper's direction (``Criterion.direction``), so an effect that
 the paper reports as a fall is handled like one reported as a rise.
 
 A *bound* finding ("the toxic neurons explain only a small share": ``Criterion(bound=True,
@@ -24,6 +35,10 @@ direction="less", threshold=0.25)``) is the mirror image: it holds when the whol
 claimed side of the threshold, does not hold when the whole interval lies on the other side, and is
 inconclusive when the interval straddles it. Controls of a bound finding enter as preconditions
 (e.g. "top-N share beyond random-N sets").
+
+The first edition (until 2026-12-07) called an effect "beyond" when it passed the interpolated 95th percentile of
+10 control sets (a control could exceed it, and the rank p never went below 0.091), and read "holds" and "partly
+holds" off the point estimate.
 """
 from __future__ import annotations
 
@@ -31,11 +46,11 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from lib.stats import ControlComparison, Estimate, mde_from_interval, mde_from_width
+from lib.stats import ControlComparison, Estimate, mde_from_interval, mde_from_width, min_controls
 
-# Fewest matched controls whose band an effect can be "beyond": with fewer, the 95th percentile is the
-# largest control or worse, and the rank p-value cannot fall below 1/(n+1) (the compendium's verdict standard requires 10).
-MIN_CONTROLS = 10
+# Fewest matched control sets with which an effect can be "beyond" them at p <= 0.05 (the rank p-value cannot fall
+# below 1 / (n + 1)); a comparison in a family needs more (lib.stats.min_controls of its alpha).
+MIN_CONTROLS = min_controls(0.05)
 _OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt, "==": operator.eq}
 
 
@@ -199,22 +214,23 @@ def decide(criterion: Criterion, estimate: Estimate | None, preconditions: Seque
     def out(v: str, why: str) -> Verdict:
         return Verdict(v, why, c, estimate, controls, pre)
 
+    if estimate is not None and estimate.interval != "uncertainty":
+        raise ValueError(f"decide needs an uncertainty interval of the estimate, got a {estimate.interval} "
+                         f"({estimate.method or 'no method named'}): a {estimate.interval} does not say how far the estimate may be off")
+    if controls is not None and controls.greater != (c.direction == "greater"):
+        raise ValueError("the control comparison must be made in the criterion's direction")
     failed = [p for p in pre if not p.met]
     if failed:
         return out("inconclusive", "precondition not met: " + "; ".join(p.fmt() for p in failed))
     if estimate is None:
-        return out("inconclusive", "no estimate was measured")
+        return out("inconclusive", "no estimate with an uncertainty interval was measured")
     if estimate.width == 0:
         return out("inconclusive", f"zero spread over n = {estimate.n}: no interval, and zero spread is not significance")
-    if controls is not None and controls.greater != (c.direction == "greater"):
-        raise ValueError("the control comparison must be made in the criterion's direction")
-    if controls is not None and controls.n < MIN_CONTROLS and not c.bound:
-        return out("inconclusive", f"only {controls.n} matched controls ({controls.name}): at least {MIN_CONTROLS} "
-                   f"are needed to place {estimate.fmt(d)} beyond their band")
 
     s = c.sign
+    est = estimate.fmt(d)
     if c.bound:
-        est, b = estimate.fmt(d), f"{c.threshold:+.{d}f}"
+        b = f"{c.threshold:+.{d}f}"
         lo_, hi_ = estimate.low, estimate.high
         inside = hi_ < c.threshold if c.direction == "less" else lo_ > c.threshold
         outside = lo_ > c.threshold if c.direction == "less" else hi_ < c.threshold
@@ -224,24 +240,32 @@ def decide(criterion: Criterion, estimate: Estimate | None, preconditions: Seque
         if outside:
             return out("does not hold", f"{est} lies wholly on the other side of {b}; preconditions met")
         return out("inconclusive", f"{est} straddles the bound {b}")
-    e, lo, hi = s * estimate.value, min(s * estimate.low, s * estimate.high), max(s * estimate.low, s * estimate.high)
-    thr = s * c.threshold
-    ctl_ok = controls.beyond if controls is not None else not c.needs_control
-    est = estimate.fmt(d)
-    ctl = f"beyond {controls.fmt(d)}" if controls is not None and controls.beyond else ""
-    paper = f"paper {c.paper_effect:+.{d}f}" if c.paper_effect is not None else "paper gives no number"
 
-    if lo > 0 and e >= thr and ctl_ok:
-        return out("holds", f"{est} excludes 0 and reaches {c.threshold:+.{d}f}" + (f", {ctl}" if ctl else ""))
-    if lo > 0 and ctl_ok:
-        return out("partly holds", f"a real effect {est}" + (f", {ctl}" if ctl else "")
-                   + f", but below the finding's threshold {c.threshold:+.{d}f} ({paper})")
+    lo, hi = sorted((s * estimate.low, s * estimate.high))
+    thr = s * c.threshold
+    paper = f"paper {c.paper_effect:+.{d}f}" if c.paper_effect is not None else "paper gives no number"
     if hi < thr:
+        if lo > 0 and controls is not None and controls.beyond:
+            return out("partly holds", f"a real effect {est}, beyond {controls.fmt(d)}, shown to be smaller than the "
+                       f"finding's threshold {c.threshold:+.{d}f} ({paper})")
+        if lo > 0 and controls is None and not c.needs_control:
+            return out("partly holds", f"a real effect {est} (against {c.control or 'the paired baseline'}), shown to be "
+                       f"smaller than the finding's threshold {c.threshold:+.{d}f} ({paper})")
         return out("does not hold", f"{est} excludes an effect of {c.threshold:+.{d}f} ({paper}); preconditions met")
-    if lo > 0 and controls is None:
+    if controls is not None and not controls.enough:
+        return out("inconclusive", f"only {controls.n} matched control sets ({controls.name}): the rank test needs at "
+                   f"least {min_controls(controls.alpha)} to reach p <= {controls.alpha:.2g} (rank p here "
+                   f"{controls.pvalue:.2g}; estimate {est})")
+    if lo <= 0:
+        mde = mde_from_interval(estimate)
+        return out("inconclusive", f"underpowered: {est} contains 0 and {c.threshold:+.{d}f} "
+                   f"(detectable effect {mde:.{d}f}, {paper})")
+    if controls is None and c.needs_control:
         return out("inconclusive", f"{est} excludes 0 but has no matched control ({c.control})")
-    if lo > 0:
+    if controls is not None and not controls.beyond:
         return out("inconclusive", f"{est} is not beyond {controls.fmt(d)}")
-    mde = mde_from_interval(estimate)
-    return out("inconclusive", f"underpowered: {est} contains 0 and {c.threshold:+.{d}f} "
-               f"(detectable effect {mde:.{d}f}, {paper})")
+    ctl = f", beyond {controls.fmt(d)}" if controls is not None else ""
+    if lo >= thr:
+        return out("holds", f"{est} lies wholly at or beyond {c.threshold:+.{d}f}{ctl}")
+    return out("inconclusive", f"a real effect {est}{ctl}, but its size is not settled: the interval reaches past "
+               f"the finding's threshold {c.threshold:+.{d}f} toward 0 ({paper})")

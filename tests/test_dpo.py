@@ -612,7 +612,10 @@ def test_candidate_directions_whole_words_are_single_tokens_and_class_mean_is_th
 def test_gate_validates_a_planted_direction_and_not_random_weights(monkeypatch):
     lm, probe, toxic = _planted_gate_model()
     monkeypatch.setattr(metrics, "toxicity", _word_scorer(toxic))
-    kw = dict(n_prompts=12, max_new_tokens=4, n_random=20, steer_fraction=20.0, n_neurons=4, n_neuron_sets=20,
+    # 40 random directions: at this steering norm one of them also drives the tiny model to the toxic words (as
+    # toxic as the planted direction), and the exact rank test needs more than 20 sets to place the planted one
+    # beyond them at p <= 0.05 with that tie (2/41; with 20 sets 2/21)
+    kw = dict(n_prompts=12, max_new_tokens=4, n_random=40, steer_fraction=20.0, n_neurons=4, n_neuron_sets=20,
               top_k_tokens=4)
     gate = dpo.validate_directions(lm, probe, progress=False, **kw)
     t = gate.table
@@ -623,7 +626,7 @@ def test_gate_validates_a_planted_direction_and_not_random_weights(monkeypatch):
         assert t.loc[name, "steer_effect"] > t.loc[name, "steer_random_q95"] and t.loc[name, "validated"], name
     assert not t.loc["probe", "validated"]
     assert gate.best in ("class-mean", "toxic words") and gate.choose("auto")[0] == gate.best
-    assert 0 <= gate.baseline_toxicity <= 1 and len(gate.random_effects) == 20
+    assert 0 <= gate.baseline_toxicity <= 1 and len(gate.random_effects) == 40
     # a cache hit gives the same table
     again = dpo.validate_directions(lm, probe, progress=False, **kw)
     assert again.table.equals(t) and again.best == gate.best
@@ -650,8 +653,10 @@ def test_gate_rejects_bad_settings(llama):
                       train_labels=torch.tensor([0, 1, 0, 1]))
     with pytest.raises(ValueError, match="unknown gate settings"):
         dpo.validate_directions(llama, probe, n_randoms=30)
-    with pytest.raises(ValueError, match="at least 20"):
+    with pytest.raises(ValueError, match="n_random must be at least 19"):
         dpo.validate_directions(llama, probe, n_random=5)
+    with pytest.raises(ValueError, match="n_neuron_sets must be at least 19"):
+        dpo.validate_directions(llama, probe, n_neuron_sets=10)
     with pytest.raises(ValueError, match="training features"):
         dpo.candidate_directions(llama, dpo.Probe(torch.randn(llama.info.d_model), 0.0, 1.0, 1.0, 4))
 

@@ -35,7 +35,7 @@ from lib.papers.dpo import neurons as dn
 
 FEATURE = 0  # the private hidden dimension that plants use
 SHARPEN = 10.0  # final-norm gain (logits x 10): a random model's logits are otherwise nearly flat
-N_CONTROLS = 10  # random neuron sets per control distribution (rank p-value >= 1/11)
+N_CONTROLS = 19  # random neuron sets per control distribution: the fewest with which the rank test reaches p <= 0.05
 
 # ----------------------------------------------------------------------------- criteria (before results)
 

@@ -22,7 +22,7 @@ def tmp_project(tmp_path, monkeypatch):
 def _verdict(finding="a finding", value=0.4):
     c = verdict.Criterion(finding=finding, paper="0.5", effect="drop", threshold=0.1, control="random-k")
     return verdict.decide(c, stats.Estimate(value, value - 0.1, value + 0.1, 20),
-                          controls=stats.against_controls(value, [0.001 * i for i in range(10)]))
+                          controls=stats.against_controls(value, [0.001 * i for i in range(19)]))
 
 
 def test_record_and_claims(tmp_project):

@@ -66,13 +66,37 @@ def test_paired_permutation_finds_a_shift_and_not_noise():
 
 
 def test_against_controls_rank_p_and_band():
-    controls = np.arange(10, dtype=float)  # 0..9
-    c = stats.against_controls(12.0, controls)
-    assert c.beyond and c.pvalue == pytest.approx(1 / 11) and c.q == pytest.approx(np.quantile(controls, 0.95))
-    inside = stats.against_controls(5.0, controls)
-    assert not inside.beyond and inside.pvalue == pytest.approx(6 / 11)
+    controls = np.arange(19, dtype=float)  # 0..18
+    c = stats.against_controls(20.0, controls)
+    assert c.beyond and c.pvalue == pytest.approx(1 / 20) and c.q == pytest.approx(np.quantile(controls, 0.95))
+    inside = stats.against_controls(9.5, controls)
+    assert not inside.beyond and inside.pvalue == pytest.approx(10 / 20)
     low = stats.against_controls(-1.0, controls, greater=False)
     assert low.beyond and low.q == pytest.approx(np.quantile(controls, 0.05))
+    ten = stats.against_controls(12.0, np.arange(10, dtype=float))  # beyond all 10: p = 1/11, not beyond at 0.05
+    assert not ten.enough and not ten.beyond and ten.pvalue == pytest.approx(1 / 11)
+
+
+def test_the_rank_test_has_the_error_rate_it_states():
+    """Under the null (effect and sets drawn alike), "beyond" at 19 sets happens in 5% of draws."""
+    rng = np.random.default_rng(0)
+    hits = [stats.against_controls(x[0], x[1:]).beyond for x in rng.normal(size=(4000, 20))]
+    assert np.mean(hits) == pytest.approx(0.05, abs=0.012)
+
+
+def test_gap_interval_carries_the_control_sets_spread():
+    """A gap against control sets that disagree with each other is less certain than one against sets that
+    agree, at the same items: the two-level interval widens with the sets' spread; a planted gap is found, and
+    an effect drawn like the sets has an interval around 0."""
+    rng = np.random.default_rng(0)
+    items = rng.normal(0, 1, 200)
+    effect = items + 1.0
+    tight = items[None, :] + rng.normal(0, 0.01, (19, 1))
+    loose = items[None, :] + rng.normal(0, 1.0, (19, 1))
+    a, b = stats.gap_interval(effect, tight), stats.gap_interval(effect, loose)
+    assert a.low > 0.9 and a.high < 1.1 and b.width > 3 * a.width and "19 control sets" in b.method
+    null = stats.gap_interval(items + rng.normal(0, 0.3, 200), items[None, :] + rng.normal(0, 0.3, (19, 200)))
+    assert null.low < 0 < null.high
 
 
 def test_gap_against_controls_is_the_raw_comparison_shifted():

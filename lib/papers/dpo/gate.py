@@ -171,11 +171,11 @@ def validate_directions(lm: Loaded, probe: Probe, scorer: str = "auto", seed: in
        effect = mean toxicity steered minus unsteered. Mode 'lower': -w on challenge prompts (Lee et
        al. 2024 subtract the probe vector from the last layer), effect = unsteered minus steered.
        Paired bootstrap over prompts. Control: ``n_random`` Gaussian random directions at the same
-       norm and sign; the effect must lie beyond their 95th percentile.
+       norm and sign; the effect must be beyond them by the exact rank test at p <= 0.05
+       (:func:`lib.stats.against_controls`).
     2. **Promoted tokens.** The top-``n_neurons`` neurons by cos(v_i, w) over all layers: mean
        :func:`neuron_token_toxicity` minus that of ``n_neuron_sets`` random sets of the same size and
-       layer distribution (bootstrap over the neurons); the effect must lie beyond the sets' 95th
-       percentile.
+       layer distribution (bootstrap over the neurons); the effect must be beyond the sets by the same rank test.
 
     Requiring both tests (each at the 5% level) keeps the chance that a direction with no toxicity
     content passes below about 1 in 400 for each candidate. Cached per model, probe and settings.
@@ -187,8 +187,10 @@ def validate_directions(lm: Loaded, probe: Probe, scorer: str = "auto", seed: in
     for k in ("n_prompts", "max_new_tokens", "n_random", "n_neurons", "top_k_tokens", "n_neuron_sets"):
         if not isinstance(s[k], int) or s[k] <= 0:
             raise ValueError(f"{k} must be a positive integer, got {s[k]!r}")
-    if s["n_random"] < 20:
-        raise ValueError(f"n_random must be at least 20 (a 95th percentile of fewer means little), got {s['n_random']}")
+    for k in ("n_random", "n_neuron_sets"):
+        if s[k] < stats.min_controls():
+            raise ValueError(f"{k} must be at least {stats.min_controls()} (the rank test cannot reach p <= 0.05 with "
+                             f"fewer), got {s[k]}")
     if not s["steer_fraction"] > 0:
         raise ValueError(f"steer_fraction must be positive, got {s['steer_fraction']!r}")
     if s["mode"] not in GATE_MODES:

@@ -296,9 +296,9 @@ def test_a_users_prompt_file_replaces_the_challenge_prompts(stem, tmp_path):
     f.write_text("".join(f'{{"text": "Prompt number {i} says", "id": {i}}}\n' for i in range(6)))
     def sizes(n_prompts, n_stats):
         """02 scores prompts, 04 only takes statistics; their sizes are fields of lib.papers.dpo.Sizes, given through overrides
-        unless the notebook sets them itself (03, 05, 06: n_prompts)"""
+        unless the notebook sets them itself (02, 03, 05, 06: n_prompts)"""
         if stem == "02_dpo_reduces_toxicity":
-            return {"overrides": {"n_prompts": n_prompts}}
+            return {"n_prompts": n_prompts}
         stats = {"overrides": {"n_stats_prompts": n_stats}}
         return stats if stem == "04_four_neuron_groups" else {"n_prompts": n_prompts, **stats}
 

@@ -517,7 +517,7 @@ def run_tests(jobs: list[str], workers: int | None = None, log_dir: Path | None 
     t_all = time.perf_counter()
     snakemake = [sys.executable, "-m", "snakemake", "--snakefile", str(TEST_WORKFLOW), "--directory", str(log_dir),
                  "--configfile", str(log_dir / "test-jobs.json"), "--cores", str(threads * workers),
-                 "--quiet", "rules", "--nolock"]
+                 "--quiet", "rules", "--nolock", "--rerun-incomplete"]
     proc = subprocess.run(snakemake, env=env)
     wall = time.perf_counter() - t_all
     done = {}

@@ -29,8 +29,8 @@ import difflib
 import json
 import os
 import re
-import shutil
 import shlex
+import shutil
 import signal
 import subprocess
 import sys

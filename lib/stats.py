@@ -254,6 +254,7 @@ class ControlComparison:
     pvalue: float     # rank p-value: (1 + #controls at least as extreme) / (n_controls + 1)
     greater: bool     # True: a larger effect is more extreme
     alpha: float = ALPHA  # the level of "beyond" (a family of comparisons: alpha / their number)
+    two_sided: bool = False  # True: extreme on either side, by the distance from the pooled median
 
     @property
     def n(self) -> int:
@@ -269,17 +270,28 @@ class ControlComparison:
         return self.enough and self.pvalue <= self.alpha + 1e-12
 
     def fmt(self, digits: int = 2) -> str:
-        side = "95th" if self.greater else "5th"
-        return (f"{self.name}: rank p = {self.pvalue:.2g} ({self.n} sets; beyond at p <= {self.alpha:.2g}), "
-                f"{side} percentile {self.q:.{digits}f}")
+        side = ("95th percentile of the distance from the median" if self.two_sided
+                else "95th percentile" if self.greater else "5th percentile")
+        return (f"{self.name}: {'two-sided ' if self.two_sided else ''}rank p = {self.pvalue:.2g} ({self.n} sets; beyond at "
+                f"p <= {self.alpha:.2g}), {side} {self.q:.{digits}f}")
 
 
 def against_controls(effect: float, controls: Sequence[float], name: str = "matched random controls",
-                     greater: bool = True, quantile: float = 0.95, alpha: float = ALPHA) -> ControlComparison:
+                     greater: bool = True, quantile: float = 0.95, alpha: float = ALPHA,
+                     two_sided: bool = False) -> ControlComparison:
     """Where ``effect`` falls in the distribution of control effects: the exact rank test of
     :class:`ControlComparison` at level ``alpha`` (a family of m comparisons: ``alpha / m``, Bonferroni), and the
-    ``quantile`` band edge for plots. With 10 controls p cannot fall below 1/11, so nothing is beyond at 0.05."""
+    ``quantile`` band edge for plots. With 10 controls p cannot fall below 1/11, so nothing is beyond at 0.05.
+
+    ``two_sided``: an effect is extreme on either side, ranked by its distance from the median of the effect and
+    the controls together (a symmetric function of all n + 1 values, so they stay exchangeable under the null and
+    the test stays exact); ``q`` is then the ``quantile`` of the controls' distances."""
     c = _as_float(controls)
+    if two_sided:
+        centre = float(np.median(np.r_[float(effect), c]))
+        dist, d_eff = np.abs(c - centre), abs(float(effect) - centre)
+        return ControlComparison(float(effect), tuple(float(v) for v in c), name, float(np.quantile(dist, quantile)),
+                                 (1 + int((dist >= d_eff).sum())) / (c.size + 1), greater, float(alpha), True)
     if greater:
         q, more = float(np.quantile(c, quantile)), int((c >= effect).sum())
     else:

@@ -23,8 +23,8 @@ interval, never about the point estimate alone:
    reaches past the threshold toward 0               -> inconclusive: a real effect whose size is not settled
 9. the interval contains 0                           -> inconclusive: underpowered (detectable effect X)
 
-"Beyond the controls" is the exact rank test of :class:`lib.stats.ControlComparison`: the effect's rank p-value
-among n matched sets, (1 + #sets at least as extreme) / (n + 1), at most the comparison's ``alpha`` (0.05 unless a
+"Beyond the controls" is the exact rank test of :class:`lib.stats.ControlComparison` (one-sided in the paper's
+direction, or two-sided where the criterion says so): the effect's rank p-value among n matched sets, (1 + #sets at least as extreme) / (n + 1), at most the comparison's ``alpha`` (0.05 unless a
 family of comparisons divides it). Its error rate is what it says, and it needs n >= 1 / alpha - 1 sets
 (:func:`lib.stats.min_controls`: 19 at 0.05); a set at least as extreme as the effect then makes "beyond"
 impossible. "Below" and "beyond" are read in the paper's direction (``Criterion.direction``), so an effect that
@@ -217,7 +217,7 @@ def decide(criterion: Criterion, estimate: Estimate | None, preconditions: Seque
     if estimate is not None and estimate.interval != "uncertainty":
         raise ValueError(f"decide needs an uncertainty interval of the estimate, got a {estimate.interval} "
                          f"({estimate.method or 'no method named'}): a {estimate.interval} does not say how far the estimate may be off")
-    if controls is not None and controls.greater != (c.direction == "greater"):
+    if controls is not None and not controls.two_sided and controls.greater != (c.direction == "greater"):
         raise ValueError("the control comparison must be made in the criterion's direction")
     failed = [p for p in pre if not p.met]
     if failed:

@@ -289,3 +289,16 @@ def test_group_share_array_matches_group_shares_row_by_row():
     assert np.isnan(dn.group_share_array(-np.abs(d[0]), cos.flatten().numpy(), m[0])).all()  # no Delta > 0
     with pytest.raises(ValueError, match="same shape"):
         dn.group_share_array(d, cos.flatten().numpy(), m[:, :10])
+
+
+def test_group_asymmetry_finds_dampening_and_strengthening():
+    """DPO shrinking every activation lowers only pushes along the direction (TP, AN): asymmetry +1; DPO
+    growing every activation strengthens only the pushes against it (TN, AP): -1; the shares' order is GROUPS."""
+    rng = np.random.default_rng(0)
+    cos, mb = rng.normal(size=200), rng.normal(size=200)
+    for scale, want in ((0.5, 1.0), (1.5, -1.0)):
+        delta = mb * cos - scale * mb * cos
+        assert dn.group_asymmetry(dn.group_share_array(delta, cos, mb)) == pytest.approx(want)
+    assert dn.group_asymmetry(np.array([[0.25, 0.25, 0.25, 0.25], [0.4, 0.1, 0.1, 0.4]])) == pytest.approx([0.0, 0.6])
+    with pytest.raises(ValueError, match="4 groups"):
+        dn.group_asymmetry(np.ones(3))

@@ -84,6 +84,22 @@ def test_the_rank_test_has_the_error_rate_it_states():
     assert np.mean(hits) == pytest.approx(0.05, abs=0.012)
 
 
+def test_the_two_sided_rank_test_finds_either_side_and_keeps_its_error_rate():
+    controls = np.arange(19, dtype=float)  # 0..18, median 9
+    high, low = stats.against_controls(30.0, controls, two_sided=True), stats.against_controls(-12.0, controls, two_sided=True)
+    assert high.beyond and low.beyond and high.pvalue == pytest.approx(1 / 20) and high.two_sided
+    assert "two-sided rank p" in high.fmt() and "distance from the median" in high.fmt()
+    # one-sided in the wrong direction misses the low effect that two-sided finds
+    assert not stats.against_controls(-12.0, controls).beyond
+    inside = stats.against_controls(8.0, controls, two_sided=True)
+    assert not inside.beyond and inside.pvalue > 0.5
+    # an effect just beyond the top set is not beyond two-sided when the bottom set is as far from the centre
+    assert not stats.against_controls(18.5, controls, two_sided=True).beyond
+    rng = np.random.default_rng(1)
+    hits = [stats.against_controls(x[0], x[1:], two_sided=True).beyond for x in rng.normal(size=(4000, 20))]
+    assert np.mean(hits) == pytest.approx(0.05, abs=0.012)
+
+
 def test_gap_interval_carries_the_control_sets_spread():
     """A gap against control sets that disagree with each other is less certain than one against sets that
     agree, at the same items: the two-level interval widens with the sets' spread; a planted gap is found, and

@@ -37,6 +37,19 @@ def test_one_control_set_above_the_effect_rules_out_beyond_at_19_sets():
     assert v.verdict == "inconclusive" and "not beyond" in v.reason
 
 
+def test_a_two_sided_control_comparison_is_read_against_the_criterion_s_direction():
+    """A two-sided comparison is accepted whatever the criterion's direction; beyond the controls on the other side
+    of 0, the interval decides: "does not hold" when it excludes the threshold."""
+    sets = np.linspace(-0.02, 0.02, 19)
+    up = stats.against_controls(0.2, sets, two_sided=True)
+    assert verdict.decide(crit(), Estimate(0.2, 0.15, 0.25, 100), controls=up).verdict == "holds"
+    down = stats.against_controls(-0.2, sets, two_sided=True)
+    v = verdict.decide(crit(), Estimate(-0.2, -0.25, -0.15, 100), controls=down)
+    assert down.beyond and v.verdict == "does not hold"
+    with pytest.raises(ValueError, match="criterion's direction"):  # one-sided the other way is still refused
+        verdict.decide(crit(), Estimate(-0.2, -0.25, -0.15, 100), controls=stats.against_controls(-0.2, sets, greater=False))
+
+
 def test_an_interval_straddling_the_threshold_settles_no_size():
     """Real (excludes 0, beyond the controls) but reaching past the threshold toward 0: neither holds nor partly."""
     v = verdict.decide(crit(), Estimate(0.12, 0.05, 0.19, 100), controls=ctl(0.12))

@@ -242,6 +242,16 @@ def group_share_array(delta: np.ndarray, cos: np.ndarray, base_means: np.ndarray
         return np.where(total > 0, sums / total, np.nan)
 
 
+def group_asymmetry(shares: np.ndarray) -> np.ndarray:
+    """(TP + AN) - (TN + AP) of group shares [..., 4] in GROUPS order: the share of the positive change that lowers
+    a push along the direction (a toxic-aligned push of a positive activation, TP, or of a negative one, AN) minus
+    the share that strengthens a push against it (TN, AP). In [-1, 1]; 0 when both kinds carry half."""
+    s = np.asarray(shares, dtype=float)
+    if s.shape[-1] != len(GROUPS):
+        raise ValueError(f"shares must end in an axis of the {len(GROUPS)} groups {GROUPS}, got shape {s.shape}")
+    return s[..., 0] + s[..., 3] - s[..., 1] - s[..., 2]
+
+
 _GROUP_SIGNS = ((1, 1), (1, -1), (-1, 1), (-1, -1))  # (sign of cos, sign of base mean) of TP, TN, AP, AN
 
 

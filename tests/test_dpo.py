@@ -144,6 +144,32 @@ def test_steering_changes_generation_and_preference_pairs(llama):
     assert again.equals(pairs) and again.attrs == pairs.attrs
 
 
+def test_shuffled_pairs_swap_a_seeded_half_and_keep_the_texts():
+    import pandas as pd
+
+    pairs = pd.DataFrame({"prompt": [f"p{i}" for i in range(9)], "chosen": [f"c{i}" for i in range(9)],
+                          "rejected": [f"r{i}" for i in range(9)], "tox_chosen": np.arange(9) / 20,
+                          "tox_rejected": 0.5 + np.arange(9) / 20, "distinct2_chosen": np.ones(9),
+                          "distinct2_rejected": np.full(9, 0.8)}, index=range(10, 19))
+    pairs.attrs["scorer"] = "s"
+    out = dpo.shuffled_pairs(pairs, seed=3)
+    assert out.swapped.sum() == len(pairs) // 2 == 4 and list(out.index) == list(pairs.index)
+    s = out.swapped.to_numpy()
+    assert (out.chosen.to_numpy()[s] == pairs.rejected.to_numpy()[s]).all()
+    assert (out.rejected.to_numpy()[s] == pairs.chosen.to_numpy()[s]).all()
+    assert out.loc[~out.swapped, ["prompt", "chosen", "rejected"]].equals(pairs.loc[~s, ["prompt", "chosen", "rejected"]])
+    assert out.prompt.equals(pairs.prompt)  # every prompt and text kept, each pair's two texts together
+    assert sorted(out.chosen.tolist() + out.rejected.tolist()) == sorted(pairs.chosen.tolist() + pairs.rejected.tolist())
+    np.testing.assert_array_equal(out.tox_chosen.to_numpy()[s], pairs.tox_rejected.to_numpy()[s])  # scores follow texts
+    np.testing.assert_array_equal(out.distinct2_rejected.to_numpy()[s], pairs.distinct2_chosen.to_numpy()[s])
+    assert out.attrs == {"scorer": "s", "shuffle_seed": 3} and "swapped" not in pairs.columns  # the input is unchanged
+    assert dpo.shuffled_pairs(pairs, seed=3).equals(out)  # seeded
+    assert any(not dpo.shuffled_pairs(pairs, seed=k).swapped.equals(out.swapped) for k in range(4, 8))
+    assert training._pairs_key(out) != training._pairs_key(pairs)  # its own DPO runs, cache and records
+    with pytest.raises(ValueError, match="'rejected'"):
+        dpo.shuffled_pairs(pairs.drop(columns="rejected"))
+
+
 def test_dpo_two_steps_change_weights_and_cache_hit_reloads_them(llama, monkeypatch, capfd):
     import pandas as pd
 

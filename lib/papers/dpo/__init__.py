@@ -22,7 +22,7 @@ from lib.papers.dpo.gate import (DIRECTIONS, FRIENDLY_WORD_POOL, GATE, GATE_MODE
                                  DirectionGate, candidate_directions, neuron_token_toxicity, single_token_words,
                                  top_aligned, validate_directions, whole_word_direction)
 from lib.papers.dpo.neurons import random_neurons
-from lib.papers.dpo.pairs import preference_pairs, steered_generate, steering_vector
+from lib.papers.dpo.pairs import preference_pairs, shuffled_pairs, steered_generate, steering_vector
 from lib.papers.dpo.probe import (NONTOXIC_WORDS, PROBE_FEATURE_LAYER, TOXIC_WORDS, Probe, features, fit_probe,
                                   probe_classifier, probe_data, probe_states, steer_layer, train_probe)
 from lib.papers.dpo.shared_setup import Setup, setup
@@ -33,7 +33,7 @@ __all__ = ["PATCH_POSITIONS", "dpo_lowered_toxicity", "evaluate", "evaluate_each
            "rescored", "shared_prefixes", "toxicity_perplexity_f1", "DIRECTIONS", "FRIENDLY_WORD_POOL", "GATE",
            "GATE_MODES", "MIN_WHOLE_WORDS", "TOXIC_WORD_POOL", "DirectionGate", "candidate_directions",
            "neuron_token_toxicity", "single_token_words", "top_aligned", "validate_directions",
-           "whole_word_direction", "random_neurons", "preference_pairs", "steered_generate", "steering_vector", "NONTOXIC_WORDS",
+           "whole_word_direction", "random_neurons", "preference_pairs", "shuffled_pairs", "steered_generate", "steering_vector", "NONTOXIC_WORDS",
            "PROBE_FEATURE_LAYER", "TOXIC_WORDS", "Probe", "features", "fit_probe", "probe_classifier", "probe_data",
            "probe_states", "steer_layer", "train_probe", "Setup", "setup", "TRAINING_KEYS", "Sizes", "HALFWAY",
            "DPORun", "base_and_dpo", "dpo_halfway", "dpo_run", "train_dpo"]

@@ -5,6 +5,7 @@ import hashlib
 import json
 from typing import Sequence
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -90,6 +91,30 @@ def preference_pairs(lm: Loaded, probe: Probe, n_pairs: int = Sizes.n_pairs, see
     df = out["pairs"].copy()
     df.attrs.update(n_tried=out["n_tried"], n_looping=out["n_looping"], scorer=out["scorer"])
     return df
+
+
+def shuffled_pairs(pairs: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
+    """``pairs`` with chosen and rejected swapped in a seeded random half of the rows (``len(pairs) // 2`` of
+    them): a control for DPO's preference signal. The texts, the number of pairs and anything trained on them
+    keep their sizes, but which side is preferred no longer carries the signal the pairs were built for.
+    Every column with a ``_chosen``/``_rejected`` twin (tox_, distinct2_) is swapped with its texts; a new
+    boolean column ``swapped`` marks the swapped rows. ``attrs`` are kept, with ``shuffle_seed`` added."""
+    for col in ("prompt", "chosen", "rejected"):
+        if col not in pairs.columns:
+            raise ValueError(f"pairs need a {col!r} column")
+    rng = np.random.default_rng(seed)
+    swap = np.zeros(len(pairs), dtype=bool)
+    swap[rng.choice(len(pairs), size=len(pairs) // 2, replace=False)] = True
+    out = pairs.copy().reset_index(drop=True)
+    twins = [("chosen", "rejected")] + [(c, c[:-len("chosen")] + "rejected") for c in pairs.columns
+                                        if c.endswith("_chosen") and c[:-len("chosen")] + "rejected" in pairs.columns]
+    for a, b in twins:
+        va, vb = out[a].to_numpy().copy(), out[b].to_numpy().copy()
+        out[a], out[b] = np.where(swap, vb, va), np.where(swap, va, vb)
+    out["swapped"] = swap
+    out.index = pairs.index
+    out.attrs = {**pairs.attrs, "shuffle_seed": seed}
+    return out
 
 
 def _tensor_key(t: torch.Tensor) -> str:

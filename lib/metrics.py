@@ -437,7 +437,7 @@ def attention_entropy(probs: torch.Tensor, valid: torch.Tensor | None = None,
 
 
 def average_precision(scores: np.ndarray | torch.Tensor, labels: Sequence[int] | np.ndarray,
-                      backend: str = "sklearn") -> np.ndarray:
+                      backend: str = "sklearn", weights: np.ndarray | None = None) -> np.ndarray:
     """Average precision of each column of ``scores`` [n_examples, n_units] as a detector of
     ``labels`` (1 = positive). Returns [n_units].
 
@@ -445,7 +445,10 @@ def average_precision(scores: np.ndarray | torch.Tensor, labels: Sequence[int] |
     number (ties handled as scikit-learn does: tied scores enter together) for all columns at once,
     which is what tens of thousands of neurons need. With 'torch', ``labels`` may also be
     [n_examples, n_tasks] (one detection task per column, sharing one sort): returns [n_tasks, n_units];
-    there a label of -1 leaves the example out of that task (tasks with different negatives)."""
+    there a label of -1 leaves the example out of that task (tasks with different negatives).
+    ``weights``: each example's non-negative weight ([n_examples], or [n_examples, n_tasks] with 'torch'),
+    scikit-learn's ``sample_weight``; an integer weight counts the example that many times (a bootstrap
+    resample's multiplicities)."""
     from sklearn.metrics import average_precision_score
 
     if backend not in ("sklearn", "torch"):
@@ -463,18 +466,31 @@ def average_precision(scores: np.ndarray | torch.Tensor, labels: Sequence[int] |
         raise ValueError("labels must be 1 (positive) or 0 (negative); -1 (left out) only in [n, tasks] labels")
     if not ((y2 == 1).any(0) & (y2 == 0).any(0)).all():
         raise ValueError("labels must contain both positives and negatives")
+    w2 = None
+    if weights is not None:
+        w = np.asarray(weights, dtype=float)
+        if w.shape not in (y.shape[:1], y2.shape) or (w.ndim == 2 and backend != "torch") or not (w >= 0).all():
+            raise ValueError(f"weights must be non-negative, of shape [{len(y)}]" + (f" or {list(y2.shape)}" if backend == "torch" else "")
+                             + f", got {list(w.shape)}")
+        w2 = np.broadcast_to(w.reshape(len(y), -1), y2.shape)
+        if not (((y2 == 1) * w2).sum(0) > 0).all() or not (((y2 == 0) * w2).sum(0) > 0).all():
+            raise ValueError("the weights leave a task without positives or without negatives")
     if backend == "torch":
-        ap = _average_precision_torch(torch.from_numpy(s), torch.from_numpy(y2))  # [tasks, units]
+        ap = _average_precision_torch(torch.from_numpy(s), torch.from_numpy(y2),
+                                      weights=None if w2 is None else torch.from_numpy(np.array(w2, dtype=np.float64)))  # [tasks, units]
         return ap if y.ndim == 2 else ap[0]
-    return np.asarray(average_precision_score(np.repeat(y[:, None], s.shape[1], axis=1), s, average=None))
+    return np.asarray(average_precision_score(np.repeat(y[:, None], s.shape[1], axis=1), s, average=None, sample_weight=weights))
 
 
-def _average_precision_torch(s: torch.Tensor, y: torch.Tensor, chunk: int = 8192) -> np.ndarray:
+def _average_precision_torch(s: torch.Tensor, y: torch.Tensor, chunk: int = 8192, weights: torch.Tensor | None = None) -> np.ndarray:
     """AP = mean over positives of the precision at the end of the positive's tie group (sorted by
     descending score): scikit-learn's step-wise precision-recall sum. s [n, units], y [n, tasks]
-    -> [tasks, units]; the sort is shared by the tasks."""
+    -> [tasks, units]; the sort is shared by the tasks. ``weights`` [n, tasks]: each example's weight
+    (the mean and the precision weighted, as scikit-learn's ``sample_weight``)."""
     n = s.shape[0]
     yf, nf = (y == 1).float(), (y == 0).float()  # -1: left out of the task
+    if weights is not None:
+        yf, nf = yf * weights.float(), nf * weights.float()
     pos = yf.sum(0)  # [tasks]
     out = []
     for c0 in range(0, s.shape[1], chunk):
@@ -487,7 +503,7 @@ def _average_precision_torch(s: torch.Tensor, y: torch.Tensor, chunk: int = 8192
         for t in range(yf.shape[1]):
             lab, neg = yf[:, t][order], nf[:, t][order]  # [n, u]
             tp = lab.cumsum(0)
-            prec = tp / (tp + neg.cumsum(0)).clamp_min(1)  # exact counts below 2**24
+            prec = tp / (tp + neg.cumsum(0)).clamp_min(1e-12)  # exact for integer counts below 2**24
             rows.append((lab * prec.gather(0, nxt)).sum(0) / pos[t])
         out.append(torch.stack(rows))
     return torch.cat(out, 1).double().numpy()

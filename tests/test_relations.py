@@ -27,6 +27,39 @@ def test_torch_average_precision_equals_sklearn_with_ties():
         metrics.average_precision(s, y, backend="numpy")
 
 
+def test_weighted_average_precision_equals_sklearn_and_repeated_rows():
+    """Weights are scikit-learn's sample_weight; an integer weight is the row repeated (a bootstrap resample)."""
+    rng = np.random.default_rng(3)
+    for trial in range(6):
+        n = int(rng.integers(6, 30))
+        s = rng.integers(0, 3, (n, 20)).astype(float) if trial % 2 else rng.normal(size=(n, 20))
+        y = rng.integers(0, 2, n)
+        y[:2] = [1, 0]
+        w = rng.integers(0, 4, n).astype(float)
+        w[:2] = 1
+        ref = metrics.average_precision(s, y, weights=w)
+        np.testing.assert_allclose(metrics.average_precision(s, y, backend="torch", weights=w), ref, atol=1e-6)
+        rep = np.repeat(np.arange(n), w.astype(int))
+        np.testing.assert_allclose(metrics.average_precision(s[rep], y[rep], backend="torch"), ref, atol=1e-6)
+    with pytest.raises(ValueError, match="without positives"):
+        metrics.average_precision(s, y, backend="torch", weights=np.where(y == 1, 0.0, 1.0))
+
+
+def test_score_many_counts_a_repeated_row_as_often_as_it_is_listed():
+    g = torch.Generator().manual_seed(1)
+    pooled = torch.randn(30, 16, generator=g)
+    rng = np.random.default_rng(0)
+    pos = rng.choice(np.arange(10), 10)  # a bootstrap resample: repeats
+    neg = rng.choice(np.arange(10, 30), 20)
+    ap, tie = relations.score_many(pooled, [(pos, neg), (np.arange(10), np.arange(10, 30))])
+    # the same task with the repeated rows written out as rows of their own
+    rows = np.r_[pos, neg]
+    ap_rep, tie_rep = relations.score_many(pooled[torch.from_numpy(rows)], [(np.arange(10), np.arange(10, 30))])
+    torch.testing.assert_close(ap[0], ap_rep[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(tie[0], tie_rep[0], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(ap[0], ap[1])  # the resample changes the scores
+
+
 def test_planted_unit_has_ap_one_and_top_of_breaks_ties_by_the_second_score():
     g = torch.Generator().manual_seed(0)
     pooled = torch.randn(40, 48, generator=g)  # [rows, units]

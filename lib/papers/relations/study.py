@@ -158,21 +158,25 @@ def score_many(pooled: torch.Tensor, tasks: Sequence[tuple[np.ndarray, np.ndarra
     tasks, with one sort of the rows shared by every task (a row outside a task is left out of it).
     The tie-break is the standardised difference of mean responses, positives minus negatives, over
     the task's rows. The one scoring function of paper C: identification, permuted labels, other
-    negative sets."""
+    negative sets. A row listed several times in a task counts that many times (a bootstrap resample of
+    the rows), exactly as if it were repeated."""
     if not len(tasks):
         raise ValueError("score_many needs at least one (positives, negatives) task")
     rows = np.unique(np.concatenate([np.r_[np.asarray(p), np.asarray(q)] for p, q in tasks]).astype(np.int64))
     at = np.full(int(rows.max()) + 1, -1)
     at[rows] = np.arange(len(rows))
     y = np.full((len(rows), len(tasks)), -1)
+    w = np.zeros((len(rows), len(tasks)))  # how many times the task lists the row
     for t, (p, q) in enumerate(tasks):
         if len(np.intersect1d(p, q)):
             raise ValueError(f"task {t}: a row is both positive and negative")
-        y[at[np.asarray(q, dtype=np.int64)], t] = 0
-        y[at[np.asarray(p, dtype=np.int64)], t] = 1
+        for lab, r in ((0, np.asarray(q, dtype=np.int64)), (1, np.asarray(p, dtype=np.int64))):
+            y[at[r], t] = lab
+            np.add.at(w[:, t], at[r], 1.0)
     x = pooled[torch.from_numpy(rows)].float()  # [n, units]
-    ap = torch.from_numpy(metrics.average_precision(x, y, backend="torch")).float().reshape(len(tasks), -1)
-    P, M = torch.from_numpy((y == 1).astype(np.float64)), torch.from_numpy((y >= 0).astype(np.float64))
+    repeated = bool((w > 1).any())
+    ap = torch.from_numpy(metrics.average_precision(x, y, backend="torch", weights=w if repeated else None)).float().reshape(len(tasks), -1)
+    P, M = torch.from_numpy((y == 1) * w), torch.from_numpy((y >= 0) * w)
     x64 = x.double()
     s_pos, s_all, ss_all = P.T @ x64, M.T @ x64, M.T @ (x64 * x64)  # [tasks, units]
     n_pos, n_all = P.sum(0)[:, None], M.sum(0)[:, None]

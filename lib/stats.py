@@ -255,6 +255,7 @@ class ControlComparison:
     greater: bool     # True: a larger effect is more extreme
     alpha: float = ALPHA  # the level of "beyond" (a family of comparisons: alpha / their number)
     two_sided: bool = False  # True: extreme on either side, by the distance from the pooled median
+    centre: float | None = None  # two-sided: the pooled median the distances are measured from
 
     @property
     def n(self) -> int:
@@ -268,6 +269,13 @@ class ControlComparison:
     @property
     def beyond(self) -> bool:
         return self.enough and self.pvalue <= self.alpha + 1e-12
+
+    def beyond_toward(self, sign: int) -> bool:
+        """``beyond``, and on the side ``sign`` (+1: above, -1: below) of the controls: a two-sided comparison
+        finds an effect on either side, but supports a claimed rise only above them and a fall only below."""
+        if not self.two_sided:
+            return self.beyond and (1 if self.greater else -1) == sign
+        return self.beyond and (self.effect - self.centre) * sign > 0
 
     def fmt(self, digits: int = 2) -> str:
         side = ("95th percentile of the distance from the median" if self.two_sided
@@ -291,7 +299,7 @@ def against_controls(effect: float, controls: Sequence[float], name: str = "matc
         centre = float(np.median(np.r_[float(effect), c]))
         dist, d_eff = np.abs(c - centre), abs(float(effect) - centre)
         return ControlComparison(float(effect), tuple(float(v) for v in c), name, float(np.quantile(dist, quantile)),
-                                 (1 + int((dist >= d_eff).sum())) / (c.size + 1), greater, float(alpha), True)
+                                 (1 + int((dist >= d_eff).sum())) / (c.size + 1), greater, float(alpha), True, centre)
     if greater:
         q, more = float(np.quantile(c, quantile)), int((c >= effect).sum())
     else:

@@ -23,9 +23,10 @@ interval, never about the point estimate alone:
    reaches past the threshold toward 0               -> inconclusive: a real effect whose size is not settled
 9. the interval contains 0                           -> inconclusive: underpowered (detectable effect X)
 
-"Beyond the controls" is the exact rank test of :class:`lib.stats.ControlComparison` (one-sided in the paper's
-direction, or two-sided where the criterion says so): the effect's rank p-value among n matched sets, (1 + #sets at least as extreme) / (n + 1), at most the comparison's ``alpha`` (0.05 unless a
-family of comparisons divides it). Its error rate is what it says, and it needs n >= 1 / alpha - 1 sets
+"Beyond the controls" is the exact rank test of :class:`lib.stats.ControlComparison`: the effect's rank p-value
+among n matched sets, (1 + #sets at least as extreme) / (n + 1), at most the comparison's ``alpha`` (0.05 unless a
+family of comparisons divides it); one-sided in the paper's direction, or two-sided where the criterion says so,
+and then it counts only on the paper's side of the sets (``ControlComparison.beyond_toward``). Its error rate is what it says, and it needs n >= 1 / alpha - 1 sets
 (:func:`lib.stats.min_controls`: 19 at 0.05); a set at least as extreme as the effect then makes "beyond"
 impossible. "Below" and "beyond" are read in the paper's direction (``Criterion.direction``), so an effect that
 the paper reports as a fall is handled like one reported as a rise.
@@ -242,10 +243,11 @@ def decide(criterion: Criterion, estimate: Estimate | None, preconditions: Seque
         return out("inconclusive", f"{est} straddles the bound {b}")
 
     lo, hi = sorted((s * estimate.low, s * estimate.high))
+    beyond = controls is not None and controls.beyond_toward(s)
     thr = s * c.threshold
     paper = f"paper {c.paper_effect:+.{d}f}" if c.paper_effect is not None else "paper gives no number"
     if hi < thr:
-        if lo > 0 and controls is not None and controls.beyond:
+        if lo > 0 and beyond:
             return out("partly holds", f"a real effect {est}, beyond {controls.fmt(d)}, shown to be smaller than the "
                        f"finding's threshold {c.threshold:+.{d}f} ({paper})")
         if lo > 0 and controls is None and not c.needs_control:
@@ -262,8 +264,9 @@ def decide(criterion: Criterion, estimate: Estimate | None, preconditions: Seque
                    f"(detectable effect {mde:.{d}f}, {paper})")
     if controls is None and c.needs_control:
         return out("inconclusive", f"{est} excludes 0 but has no matched control ({c.control})")
-    if controls is not None and not controls.beyond:
-        return out("inconclusive", f"{est} is not beyond {controls.fmt(d)}")
+    if controls is not None and not beyond:
+        side = " on the finding's side of them" if controls.beyond else ""
+        return out("inconclusive", f"{est} is not beyond {controls.fmt(d)}{side}")
     ctl = f", beyond {controls.fmt(d)}" if controls is not None else ""
     if lo >= thr:
         return out("holds", f"{est} lies wholly at or beyond {c.threshold:+.{d}f}{ctl}")

@@ -46,6 +46,11 @@ def test_a_two_sided_control_comparison_is_read_against_the_criterion_s_directio
     down = stats.against_controls(-0.2, sets, two_sided=True)
     v = verdict.decide(crit(), Estimate(-0.2, -0.25, -0.15, 100), controls=down)
     assert down.beyond and v.verdict == "does not hold"
+    # beyond the sets two-sided, but below them: no support for a rise, whatever the interval
+    sets_high = np.linspace(0.5, 0.6, 19)
+    below = stats.against_controls(0.2, sets_high, two_sided=True)
+    v = verdict.decide(crit(), Estimate(0.2, 0.15, 0.25, 100), controls=below)
+    assert below.beyond and not below.beyond_toward(1) and v.verdict == "inconclusive" and "on the finding's side" in v.reason
     with pytest.raises(ValueError, match="criterion's direction"):  # one-sided the other way is still refused
         verdict.decide(crit(), Estimate(-0.2, -0.25, -0.15, 100), controls=stats.against_controls(-0.2, sets, greater=False))
 

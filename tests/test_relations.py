@@ -11,13 +11,19 @@ from lib.papers import dpo, relations
 # ----------------------------------------------------------------------------- AP (shared metric)
 
 
+def _ap_case(rng, trial: int, n_min: int, n_max: int, units: int):
+    """Scores [n, units] (tied integers on odd trials, continuous on even ones) and labels with both classes."""
+    n = int(rng.integers(n_min, n_max))
+    s = rng.integers(0, 3, (n, units)).astype(float) if trial % 2 else rng.normal(size=(n, units))
+    y = rng.integers(0, 2, n)
+    y[:2] = [1, 0]
+    return n, s, y
+
+
 def test_torch_average_precision_equals_sklearn_with_ties():
     rng = np.random.default_rng(0)
     for trial in range(12):
-        n = int(rng.integers(4, 40))
-        s = rng.integers(0, 3, (n, 30)).astype(float) if trial % 2 else rng.normal(size=(n, 30))
-        y = rng.integers(0, 2, n)
-        y[:2] = [1, 0]
+        n, s, y = _ap_case(rng, trial, 4, 40, 30)
         ref = metrics.average_precision(s, y)
         np.testing.assert_allclose(metrics.average_precision(s, y, backend="torch"), ref, atol=1e-6)
         both = metrics.average_precision(s, np.stack([y, 1 - y], 1), backend="torch")  # [2, units]
@@ -31,10 +37,7 @@ def test_weighted_average_precision_equals_sklearn_and_repeated_rows():
     """Weights are scikit-learn's sample_weight; an integer weight is the row repeated (a bootstrap resample)."""
     rng = np.random.default_rng(3)
     for trial in range(6):
-        n = int(rng.integers(6, 30))
-        s = rng.integers(0, 3, (n, 20)).astype(float) if trial % 2 else rng.normal(size=(n, 20))
-        y = rng.integers(0, 2, n)
-        y[:2] = [1, 0]
+        n, s, y = _ap_case(rng, trial, 6, 30, 20)
         w = rng.integers(0, 4, n).astype(float)
         w[:2] = 1
         ref = metrics.average_precision(s, y, weights=w)

@@ -642,7 +642,7 @@ def test_gate_validates_a_planted_direction_and_not_random_weights(monkeypatch):
     # toxic as the planted direction), and the exact rank test needs more than 20 sets to place the planted one
     # beyond them at p <= 0.05 with that tie (2/41; with 20 sets 2/21)
     kw = dict(n_prompts=12, max_new_tokens=4, n_random=40, steer_fraction=20.0, n_neurons=4, n_neuron_sets=20,
-              top_k_tokens=4)
+              top_k_tokens=4, family=1)
     gate = dpo.validate_directions(lm, probe, progress=False, **kw)
     t = gate.table
     assert set(t.index) == set(dpo.DIRECTIONS)
@@ -658,6 +658,26 @@ def test_gate_validates_a_planted_direction_and_not_random_weights(monkeypatch):
     assert again.table.equals(t) and again.best == gate.best
 
 
+def test_gate_sweep_validates_the_planted_direction_in_one_setting_and_corrects_for_the_family(monkeypatch):
+    """Two settings: the planted direction steers at a strong norm and not at 1% of the residual norm; validated
+    means 'promoted tokens and at least one setting', each steering test at 0.05 / 2 (with the one random direction
+    that ties the planted one, as in the single-setting test, 79 random directions place it at p = 2/80)."""
+    lm, probe, toxic = _planted_gate_model()
+    monkeypatch.setattr(metrics, "toxicity", _word_scorer(toxic))
+    kw = dict(n_prompts=12, max_new_tokens=4, n_random=79, n_neurons=4, n_neuron_sets=20, top_k_tokens=4)
+    sweep = {"last block": {"steer_fraction": 3.0}, "quiet": {"steer_fraction": 0.01}}
+    gate = dpo.sweep_directions(lm, probe, progress=False, sweep=sweep, **kw)
+    assert list(gate.sweep) == list(sweep) and all(g.settings["family"] == 2 for g in gate.sweep.values())
+    t = gate.table
+    assert t["steer ok: last block"].loc[["class-mean", "toxic words"]].all()
+    assert not t["steer ok: quiet"].any()  # a steer of 1% of the norm moves nothing
+    assert t.validated.loc[["class-mean", "toxic words"]].all() and not t.loc["probe", "validated"]
+    assert gate.best == "class-mean" and gate.validated("class-mean")  # the first validated in DIRECTIONS' order
+    assert "one of 2 settings" in gate.precondition("class-mean").name and gate.precondition("class-mean").met
+    with pytest.raises(ValueError, match="n_random must be at least 39"):
+        dpo.sweep_directions(lm, probe, progress=False, sweep=sweep, **{**kw, "n_random": 20})
+
+
 def test_gate_finds_no_direction_when_nothing_is_planted(monkeypatch):
     lm = models.tiny_random("llama")
     g = torch.Generator().manual_seed(2)
@@ -667,7 +687,7 @@ def test_gate_finds_no_direction_when_nothing_is_planted(monkeypatch):
     # a scorer that no text can move: nothing can count as a toxicity direction
     monkeypatch.setattr(metrics, "toxicity", _word_scorer({"zzzunseenword"}))
     gate = dpo.validate_directions(lm, probe, progress=False, n_prompts=8, max_new_tokens=3, n_random=20,
-                                   steer_fraction=20.0, n_neurons=4, n_neuron_sets=20, top_k_tokens=4)
+                                   steer_fraction=20.0, n_neurons=4, n_neuron_sets=20, top_k_tokens=4, family=1)
     assert not gate.table.validated.any() and gate.best is None
     assert gate.choose("auto") == (None, None) and "no candidate passed" in gate.precondition("probe").name
     with pytest.raises(ValueError, match="unknown direction"):
@@ -680,7 +700,17 @@ def test_gate_rejects_bad_settings(llama):
     with pytest.raises(ValueError, match="unknown gate settings"):
         dpo.validate_directions(llama, probe, n_randoms=30)
     with pytest.raises(ValueError, match="n_random must be at least 19"):
-        dpo.validate_directions(llama, probe, n_random=5)
+        dpo.validate_directions(llama, probe, n_random=5, family=1)
+    with pytest.raises(ValueError, match="n_random must be at least 99"):  # a family of 5 settings: p <= 0.01
+        dpo.validate_directions(llama, probe, n_random=50)
+    with pytest.raises(ValueError, match="norm_of must be one of"):
+        dpo.validate_directions(llama, probe, norm_of="unit")
+    with pytest.raises(ValueError, match="steer_depth must lie in"):
+        dpo.validate_directions(llama, probe, steer_depth=1.5)
+    with pytest.raises(ValueError, match="set by the sweep"):
+        dpo.sweep_directions(llama, probe, mode="lower")
+    with pytest.raises(ValueError, match="at least one setting"):
+        dpo.sweep_directions(llama, probe, sweep={})
     with pytest.raises(ValueError, match="n_neuron_sets must be at least 19"):
         dpo.validate_directions(llama, probe, n_neuron_sets=10)
     with pytest.raises(ValueError, match="training features"):
@@ -794,7 +824,7 @@ def test_setup_load_wires_models_gate_and_sizes(llama, monkeypatch, capsys):
              "none": dpo.DirectionGate(table.assign(validated=False), vec, None, 1, 1.0, 0.0, [], "x", {})}
     which = {"gate": "one"}
     monkeypatch.setattr(dpo_setup, "base_and_dpo", fake_base_and_dpo)
-    monkeypatch.setattr(dpo_setup, "validate_directions", lambda lm, probe, seed, progress: gates[which["gate"]])
+    monkeypatch.setattr(dpo_setup, "sweep_directions", lambda lm, probe, seed, progress: gates[which["gate"]])
     a = dpo.setup("smollm2-135m", "cpu", 0, {"n_pairs": 8}, n_prompts=3, n_wiki=2,
                   scorer="profanity-check").load(progress=False)
     assert seen["sizes"] == {**dpo.Sizes().training(), "n_pairs": 8, "n_prompts": 3, "n_wiki": 2}

@@ -18,9 +18,10 @@ notebooks use (``from lib.papers import dpo``; ``dpo.setup(...)``).
 from lib.papers.dpo import records  # noqa: F401  (declares the steps' records and their audit comparisons)
 from lib.papers.dpo.evaluation import (PATCH_POSITIONS, dpo_lowered_toxicity, evaluate, evaluate_each, evaluation_inputs, prompt_sets,
                                        read_prompts, rescored, shared_prefixes, toxicity_perplexity_f1)
-from lib.papers.dpo.gate import (DIRECTIONS, FRIENDLY_WORD_POOL, GATE, GATE_MODES, MIN_WHOLE_WORDS, TOXIC_WORD_POOL,
-                                 DirectionGate, candidate_directions, neuron_token_toxicity, single_token_words,
-                                 top_aligned, validate_directions, whole_word_direction)
+from lib.papers.dpo.gate import (DIRECTIONS, FRIENDLY_WORD_POOL, GATE, GATE_MODES, MIN_WHOLE_WORDS, NORMS_OF, SWEEP,
+                                 TOXIC_WORD_POOL, DirectionGate, candidate_directions, neuron_token_toxicity,
+                                 single_token_words, sweep_directions, top_aligned, validate_directions,
+                                 whole_word_direction)
 from lib.papers.dpo.neurons import random_neurons
 from lib.papers.dpo.pairs import preference_pairs, shuffled_pairs, steered_generate, steering_vector
 from lib.papers.dpo.probe import (NONTOXIC_WORDS, PROBE_FEATURE_LAYER, TOXIC_WORDS, Probe, features, fit_probe,
@@ -31,7 +32,7 @@ from lib.papers.dpo.training import HALFWAY, DPORun, base_and_dpo, dpo_halfway, 
 
 __all__ = ["PATCH_POSITIONS", "dpo_lowered_toxicity", "evaluate", "evaluate_each", "evaluation_inputs", "prompt_sets", "read_prompts",
            "rescored", "shared_prefixes", "toxicity_perplexity_f1", "DIRECTIONS", "FRIENDLY_WORD_POOL", "GATE",
-           "GATE_MODES", "MIN_WHOLE_WORDS", "TOXIC_WORD_POOL", "DirectionGate", "candidate_directions",
+           "GATE_MODES", "MIN_WHOLE_WORDS", "NORMS_OF", "SWEEP", "sweep_directions", "TOXIC_WORD_POOL", "DirectionGate", "candidate_directions",
            "neuron_token_toxicity", "single_token_words", "top_aligned", "validate_directions",
            "whole_word_direction", "random_neurons", "preference_pairs", "shuffled_pairs", "steered_generate", "steering_vector", "NONTOXIC_WORDS",
            "PROBE_FEATURE_LAYER", "TOXIC_WORDS", "Probe", "features", "fit_probe", "probe_classifier", "probe_data",

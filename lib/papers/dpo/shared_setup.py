@@ -11,7 +11,7 @@ from lib.infra import repro
 from lib.models import Loaded
 from lib.papers.dpo import neurons as dpo_neurons
 from lib.papers.dpo.evaluation import PATCH_POSITIONS, evaluate, evaluate_each, prompt_sets, toxicity_perplexity_f1
-from lib.papers.dpo.gate import DIRECTIONS, DirectionGate, validate_directions
+from lib.papers.dpo.gate import DIRECTIONS, DirectionGate, sweep_directions
 from lib.papers.dpo.probe import Probe
 from lib.papers.dpo.sizes import Sizes
 from lib.papers.dpo.training import base_and_dpo
@@ -48,7 +48,7 @@ class Setup:
 
     def load(self, progress: bool | None = None) -> "Setup":
         """Base model, DPO model and probe (:func:`base_and_dpo`, cached), then notebook 01's direction
-        gate (:func:`validate_directions`, cached) and the direction it picks; prints what it loaded."""
+        gate over its sweep of steering settings (:func:`sweep_directions`, cached) and the direction it picks; prints what it loaded."""
         progress = repro.progress_on() if progress is None else progress
         self.base_lm, self.dpo_lm, self.probe = base_and_dpo(self.model_name, device=self.device, seed=self.seed,
                                                              progress=progress, **self.sizes.training())
@@ -60,7 +60,7 @@ class Setup:
         print(f"probe: validation accuracy {self.probe.val_accuracy:.3f}, Jigsaw sample {self.probe.jigsaw_accuracy:.3f}")
         if self.requested_direction is None:
             return self
-        self.gate = validate_directions(self.base_lm, self.probe, seed=self.seed, progress=progress)
+        self.gate = sweep_directions(self.base_lm, self.probe, seed=self.seed, progress=progress)
         self.direction, self.w = self.gate.pick(self.requested_direction, fallback=self.fallback)
         self.pre_direction = self.gate.precondition(self.direction,
                                                     same_vector=self.direction != "toxic tokens" or self.same_vector)

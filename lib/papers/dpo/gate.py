@@ -51,13 +51,14 @@ GATE: dict = {
     "n_neuron_sets": 50,  # random neuron sets of that size and layer distribution: the token test's control
 }
 # The steering settings of the gate, fixed in advance (the first and the fourth had been measured before, with 20
-# random directions; the others had not): a candidate is validated when its steering passes in at least one of them (each at 0.05 / len(SWEEP)) and its
-# promoted tokens pass (at 0.05). The first is the gate as first stated; the second a gentler norm (the first
-# derails the text); the third 02's steer block a third of the way up (half the residual norm there is about the
-# norm of 02's class-mean steer); the fourth the sign Lee et al. 2024 steer with; the fifth the authors' own
-# intervention: their evaluation subtracts the probe vector itself, scale 1, from the last block's MLP output
-# (Yushi-Y/dpo-toxic-neurons, toxicity/eval_interventions/run_evaluations.py, the 'subtraction' of type
-# 'toxic_probe'; hook_utils.py, hook_subtract), the same state as the residual stream after the last block.
+# random directions; the others had not): a candidate is validated when its steering passes in at least one of them
+# (each at 0.05 / len(SWEEP)) and its promoted tokens pass (at 0.05). The first is the gate as first stated; the
+# second a gentler norm (the first derails the text); the third 02's steer block a third of the way up (half the
+# residual norm there is about the norm of 02's class-mean steer); the fourth the sign Lee et al. 2024 steer with;
+# the fifth the authors' own intervention: their evaluation subtracts the probe vector itself, scale 1, from the
+# last block's MLP output (Yushi-Y/dpo-toxic-neurons, toxicity/eval_interventions/run_evaluations.py, the
+# 'subtraction' of type 'toxic_probe'; hook_utils.py, hook_subtract), the same state as the residual stream after
+# the last block.
 SWEEP: dict = {
     "up, last block": {},
     "up, last block, quarter norm": {"steer_fraction": 0.25},
